@@ -1,0 +1,24 @@
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	.venv/bin/superfluid-noded --listen 127.0.0.1:8454 --engine mock
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) tests/bench/codec.py
+
+clean:
+	rm -rf .venv .pytest_cache .hypothesis

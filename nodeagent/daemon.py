@@ -1,0 +1,138 @@
+"""What the node agent needs of the engine behind it (node-behaviour.md §2).
+
+The agent talks to the mock and the torch engine only through `Daemon`, so either can stand
+behind it unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from nodeagent.wal import GenParams
+
+#: `on_tokens(batch)` returns True to go on, False to stop the generation (finish CANCELLED).
+OnTokens = Callable[[list[int]], bool]
+
+QOS_CLASSES = 4  # 0 chat, 1 completion, 2 agent, 3 background
+
+
+class DaemonError(Exception):
+    """A failure of the engine behind the agent."""
+
+
+class StreamTooLong(DaemonError):
+    """The stream does not fit the model's context window: the head should not have sent it."""
+
+    def __init__(self, max_tokens: int, stream_len: int):
+        self.max_tokens = max_tokens
+        self.stream_len = stream_len
+        super().__init__(
+            f"this model's maximum context length is {max_tokens} tokens, but your request has "
+            f"{stream_len} tokens; shorten the prompt or drop earlier turns"
+        )
+
+
+class ConstraintError(DaemonError):
+    """The generation asks for a constraint this engine cannot apply."""
+
+
+class GenerationError(DaemonError):
+    """The generation failed for a reason of the node's own."""
+
+
+class StageError(DaemonError):
+    """A stage forward was asked for with inputs that cannot be run."""
+
+
+@dataclass(frozen=True)
+class GenExtras:
+    """What a generation may carry beyond its stream and params."""
+
+    qos_class: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """`tokens` generated, the engine's `finish` reason, and whether the wall budget ran out."""
+
+    tokens: list[int]
+    finish: int
+    expired: bool = False
+
+
+@dataclass(frozen=True)
+class StageHidden:
+    """A stage that stops before the last layer: the hidden state, little-endian bytes."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class StageToken:
+    """A stage that reaches the last layer: the greedy next token."""
+
+    token: int
+
+
+StageOutput = StageHidden | StageToken
+
+
+@dataclass(frozen=True)
+class SchedStats:
+    """A snapshot of the scheduler's counters; `decode_tokens` and `prefill_tokens` only grow."""
+
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    queue_depth: tuple[int, ...] = field(default=(0,) * QOS_CLASSES)
+    lanes_active: int = 0
+    pool_blocks_used: int = 0
+    pool_blocks_total: int = 0
+
+
+class Daemon(abc.ABC):
+    """The engine interface. Every method may be called from any thread."""
+
+    @abc.abstractmethod
+    def generate_tokens_streaming(
+        self,
+        stream: Sequence[int],
+        params: GenParams,
+        max_tokens: int,
+        deadline_ms: int,
+        extras: GenExtras,
+        on_tokens: OnTokens,
+    ) -> GenerationResult:
+        """Generate up to `max_tokens` after `stream`, handing each batch to `on_tokens`.
+
+        `deadline_ms` is a wall budget from the call (0 = none): past it the call returns
+        `GenerationResult([], finish.NONE, expired=True)`. `on_tokens` returning False returns at
+        once with finish CANCELLED. Raises StreamTooLong, or GenerationError for an empty stream.
+        """
+
+    @abc.abstractmethod
+    def forward_stage(
+        self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None
+    ) -> StageOutput:
+        """Run layers `[start_layer, end_layer)`; raises StageError on inputs it cannot run."""
+
+    @abc.abstractmethod
+    def max_stream_tokens(self) -> int:
+        """The context window in tokens (0 = unknown)."""
+
+    @abc.abstractmethod
+    def sched_stats(self) -> SchedStats:
+        """The scheduler's counters now."""
+
+    @property
+    @abc.abstractmethod
+    def model_name(self) -> str:
+        """The name the head matches on, unless `--model-name` overrides it."""
+
+    @abc.abstractmethod
+    def summary(self) -> str:
+        """One line for the start-up log: runtime, context window, lanes."""
+
+    def close(self) -> None:
+        """Stop background threads; generations still running end CANCELLED."""

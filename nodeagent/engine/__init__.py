@@ -1,0 +1,38 @@
+"""Engines a node can serve from, chosen by `--engine`/`--runtime`."""
+
+from __future__ import annotations
+
+from nodeagent.daemon import Daemon, DaemonError
+
+RUNTIMES = ("mock", "torch")
+
+
+class ModelLoadError(DaemonError):
+    """The model could not be loaded; the CLI exits 3 on it."""
+
+
+def open_engine(
+    runtime: str,
+    model: str | None,
+    *,
+    device: str = "auto",
+    max_batch: int = 8,
+    max_context: int | None = None,
+    kv_budget_mb: int | None = None,
+) -> Daemon:
+    """Build the daemon for `runtime`; imports torch only when the torch engine is asked for."""
+    if runtime == "mock":
+        from nodeagent.engine.mock import MockDaemon
+
+        return MockDaemon(max_context=max_context or 4096, max_lanes=max_batch)
+    if runtime == "torch":
+        from nodeagent.engine.torch_engine import TorchDaemon
+
+        return TorchDaemon.load(
+            model or "builtin",
+            device=device,
+            max_batch=max_batch,
+            max_context=max_context,
+            kv_budget_mb=kv_budget_mb,
+        )
+    raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
