@@ -17,8 +17,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The engine bench compares against Hugging Face transformers, installed here only: it is no
+# runtime dependency of the node.
 bench: $(STAMP)
+	$(PY) -m pip install -q transformers
 	$(PY) tests/bench/codec.py
+	$(PY) tests/bench/engine.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis
