@@ -7,7 +7,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
