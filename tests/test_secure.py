@@ -1,0 +1,158 @@
+"""linkf.secure: the unit tests of secure.rs, ported, plus the refusal's details."""
+
+import socket
+import threading
+
+import pytest
+
+from linkf.errors import Closed, TimedOut, Unauthorized
+from linkf.secure import MAX_PLAINTEXT, TAG, NoiseRole, SecureStream, key_from
+
+TIMEOUT = 5.0
+
+
+def run(fn):
+    """Runs ``fn`` on a thread; the returned ``result()`` re-raises what it raised."""
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+
+    def result():
+        t.join(TIMEOUT)
+        assert not t.is_alive(), "the other side hung"
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    return result
+
+
+def pair(a, b):
+    x, y = socket.socketpair()
+    responder = run(lambda: SecureStream.handshake(y, key_from(b), NoiseRole.Responder, TIMEOUT))
+    initiator = SecureStream.handshake(x, key_from(a), NoiseRole.Initiator, TIMEOUT)
+    return initiator, responder
+
+
+def recv_exact(stream, n):
+    stream.sock.settimeout(TIMEOUT)
+    got = bytearray()
+    while len(got) < n:
+        chunk = stream.recv()
+        assert chunk is not None, "closed early"
+        got += chunk
+    return bytes(got)
+
+
+def test_one_token_both_ways_carries_small_and_large_messages():
+    head, node = pair(b"token", b"token")
+    node = node()
+    big = bytes(i % 251 for i in range(200_000))
+
+    def writer():
+        head.sendall(b"hello")
+        head.sendall(big)
+        return recv_exact(head, 3)
+
+    reply = run(writer)
+    got = recv_exact(node, 5 + len(big))
+    assert got[:5] == b"hello"
+    assert got[5:] == big
+    node.sendall(b"ack")
+    assert reply() == b"ack"
+
+
+def test_another_token_is_refused_at_the_handshake():
+    x, y = socket.socketpair()
+    node = run(lambda: SecureStream.handshake(y, key_from(b"other"), NoiseRole.Responder, TIMEOUT))
+    # The initiator sees the responder hang up instead of answering.
+    with pytest.raises(Closed):
+        SecureStream.handshake(x, key_from(b"token"), NoiseRole.Initiator, TIMEOUT)
+    with pytest.raises(Unauthorized) as refused:
+        node()
+    assert "fleet token differs" in str(refused.value)
+
+
+def test_the_responder_refuses_on_the_first_message_and_writes_nothing():
+    head_sock, node_sock, wire = tapped_pair()
+    node = run(lambda: SecureStream.handshake(node_sock, key_from(b"other"), NoiseRole.Responder, TIMEOUT))
+    with pytest.raises(Closed):
+        SecureStream.handshake(head_sock, key_from(b"token"), NoiseRole.Initiator, TIMEOUT)
+    with pytest.raises(Unauthorized):
+        node()
+    assert len(wire.head) == 2 + 48, "the head wrote exactly Noise message 1"
+    assert wire.node == b"", "the refusing node wrote something"
+    assert node_sock.fileno() == -1, "the refused socket was kept open"
+
+
+def test_a_silent_peer_times_the_handshake_out():
+    x, _y = socket.socketpair()
+    with pytest.raises(TimedOut):
+        SecureStream.handshake(x, key_from(b"token"), NoiseRole.Responder, 0.2)
+
+
+class Wire:
+    def __init__(self):
+        self.head = bytearray()
+        self.node = bytearray()
+
+
+def tapped_pair():
+    """head <-> relay <-> node; the relay keeps a copy of the bytes each side writes."""
+    head_sock, relay_head = socket.socketpair()
+    relay_node, node_sock = socket.socketpair()
+    wire = Wire()
+
+    def copy(src, dst, log):
+        src.settimeout(TIMEOUT)
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    break
+                log.extend(data)
+                dst.sendall(data)
+            except OSError:
+                break
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    threading.Thread(target=copy, args=(relay_head, relay_node, wire.head), daemon=True).start()
+    threading.Thread(target=copy, args=(relay_node, relay_head, wire.node), daemon=True).start()
+    return head_sock, node_sock, wire
+
+
+def test_the_wire_is_not_the_plaintext():
+    head_sock, node_sock, wire = tapped_pair()
+    key = key_from(b"token")
+    node = run(lambda: SecureStream.handshake(node_sock, key, NoiseRole.Responder, TIMEOUT))
+    head = SecureStream.handshake(head_sock, key, NoiseRole.Initiator, TIMEOUT)
+    head.sendall(b"a secret prompt")
+    assert recv_exact(node(), 15) == b"a secret prompt"
+    assert len(wire.head) > 15 + 2 + TAG, "the wire carried the handshake and one framed message"
+    assert b"a secret prompt" not in bytes(wire.head), "the plaintext is on the wire"
+
+
+def test_plaintext_is_cut_into_noise_sized_pieces():
+    head, node = pair(b"token", b"token")
+    node = node()
+    data = bytes(MAX_PLAINTEXT + 1)
+    sent = run(lambda: head.sendall(data))
+    node.sock.settimeout(TIMEOUT)
+    raw = bytearray()
+    while len(raw) < 2 * (2 + TAG) + len(data):
+        raw += node.sock.recv(1 << 20)
+    sent()
+    first = int.from_bytes(raw[:2], "big")
+    assert first == MAX_PLAINTEXT + TAG
+    second = int.from_bytes(raw[2 + first : 4 + first], "big")
+    assert second == 1 + TAG
