@@ -1,0 +1,251 @@
+"""The mock engine, token-exact with the Rust fleet's mock (spec: mock-engine.md).
+
+A Rust head compares a fleet generation token for token with its own mock, so every value here
+depends only on (context, counter) and never on batching, timing or concurrency.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from typing import Sequence
+
+import xxhash
+
+from nodeagent import finish
+from nodeagent.daemon import (
+    QOS_CLASSES,
+    Daemon,
+    GenerationError,
+    GenerationResult,
+    GenExtras,
+    OnTokens,
+    SchedStats,
+    StageError,
+    StageHidden,
+    StageOutput,
+    StageToken,
+    StreamTooLong,
+)
+from nodeagent.wal import GenParams
+
+VOCAB = 32000
+N_LAYERS = 24
+PAGE_TOKENS = 16
+BYTES_PER_TOKEN = 64
+POOL_BYTES = 1 << 20
+POOL_BLOCKS = POOL_BYTES // (PAGE_TOKENS * BYTES_PER_TOKEN)
+
+_U64 = (1 << 64) - 1
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Tokens as 4-byte little-endian, oldest first; a value outside u32 is a ValueError."""
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as e:
+        raise ValueError(f"a token does not fit in u32: {e}") from None
+
+
+class _Stepper:
+    """Next tokens of one generation: step k hashes the whole context then LE64(base + k).
+
+    The context bytes live in a streaming XXH3 state that grows by four bytes a token, and each
+    step hashes a copy of it plus the counter: the same value as hashing the full bytes anew,
+    without re-reading the context.
+    """
+
+    def __init__(self, stream: Sequence[int], seed: int):
+        self._ctx = xxhash.xxh3_64(pack_tokens(stream))
+        self._counter = (seed + len(stream)) & _U64
+
+    def next(self) -> int:
+        step = self._ctx.copy()
+        step.update(struct.pack("<Q", self._counter))
+        token = step.intdigest() % VOCAB
+        self._ctx.update(struct.pack("<I", token))
+        self._counter = (self._counter + 1) & _U64
+        return token
+
+
+class _Lanes:
+    """Lanes, queues and KV pages shared by every generation; all counters under one lock."""
+
+    def __init__(self, max_lanes: int):
+        self.max_lanes = max(1, max_lanes)
+        self._cond = threading.Condition()
+        self._pages: dict[int, int] = {}  # lane id -> pages resident
+        self._queued = [0] * QOS_CLASSES
+        self._decoded = 0
+        self._prefilled = 0
+        self._next_lane = 1
+
+    def admit(self, qos: int, prompt_len: int, deadline: float | None, closed: threading.Event):
+        """A lane id once one is free; None when the deadline passes or the engine closes first."""
+        qos = min(max(qos, 0), QOS_CLASSES - 1)
+        with self._cond:
+            self._queued[qos] += 1
+            try:
+                while len(self._pages) >= self.max_lanes and not closed.is_set():
+                    wait = None if deadline is None else deadline - time.monotonic()
+                    if wait is not None and wait <= 0:
+                        return None
+                    self._cond.wait(0.05 if wait is None else min(wait, 0.05))
+                if closed.is_set():
+                    return None
+            finally:
+                self._queued[qos] -= 1
+            lane = self._next_lane
+            self._next_lane += 1
+            self._pages[lane] = _pages(prompt_len)
+            self._prefilled += prompt_len
+            return lane
+
+    def decoded(self, lane: int, context_len: int) -> None:
+        with self._cond:
+            self._decoded += 1
+            self._pages[lane] = _pages(context_len)
+
+    def release(self, lane: int) -> None:
+        with self._cond:
+            del self._pages[lane]
+            self._cond.notify()
+
+    def stats(self) -> SchedStats:
+        with self._cond:
+            return SchedStats(
+                decode_tokens=self._decoded,
+                prefill_tokens=self._prefilled,
+                queue_depth=tuple(self._queued),
+                lanes_active=len(self._pages),
+                pool_blocks_used=min(sum(self._pages.values()), POOL_BLOCKS),
+                pool_blocks_total=POOL_BLOCKS,
+            )
+
+
+def _pages(tokens: int) -> int:
+    return -(-tokens // PAGE_TOKENS)
+
+
+class MockDaemon(Daemon):
+    """The deterministic engine `--engine mock` serves from: no model, no end token.
+
+    `token_delay_s` holds each step that long (tests use it to keep a generation open);
+    `batch_tokens` is how many tokens each `on_tokens` call carries, which changes no value.
+    """
+
+    def __init__(
+        self,
+        max_context: int = 4096,
+        max_lanes: int = 8,
+        token_delay_s: float = 0.0,
+        batch_tokens: int = 1,
+    ):
+        self._max_context = max_context
+        self._lanes = _Lanes(max_lanes)
+        self._delay = token_delay_s
+        self._batch = max(1, batch_tokens)
+        self._closed = threading.Event()
+
+    @property
+    def model_name(self) -> str:
+        return "mock"
+
+    def summary(self) -> str:
+        return (
+            f"runtime mock, context window {self._max_context} tokens, "
+            f"{self._lanes.max_lanes} lanes"
+        )
+
+    def max_stream_tokens(self) -> int:
+        return self._max_context
+
+    def sched_stats(self) -> SchedStats:
+        return self._lanes.stats()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def generate_tokens_streaming(
+        self,
+        stream: Sequence[int],
+        params: GenParams,
+        max_tokens: int,
+        deadline_ms: int,
+        extras: GenExtras,
+        on_tokens: OnTokens,
+    ) -> GenerationResult:
+        if not stream:
+            raise GenerationError("session has no content to generate from")
+        if len(stream) > self._max_context:
+            raise StreamTooLong(self._max_context, len(stream))
+        if max_tokens <= 0:
+            return GenerationResult([], finish.NONE)
+        deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms else None
+        try:
+            stepper = _Stepper(stream, params.seed)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
+        lane = self._lanes.admit(extras.qos_class, len(stream), deadline, self._closed)
+        if lane is None:
+            return self._unadmitted()
+        try:
+            return self._run(lane, stepper, len(stream), max_tokens, deadline, on_tokens)
+        finally:
+            self._lanes.release(lane)
+
+    def _unadmitted(self) -> GenerationResult:
+        if self._closed.is_set():
+            return GenerationResult([], finish.CANCELLED)
+        return GenerationResult([], finish.NONE, expired=True)
+
+    def _run(self, lane, stepper, prompt_len, max_tokens, deadline, on_tokens) -> GenerationResult:
+        tokens: list[int] = []
+        batch: list[int] = []
+        while len(tokens) < max_tokens:
+            if self._pause():
+                return GenerationResult(tokens, finish.CANCELLED)
+            if deadline is not None and time.monotonic() >= deadline:
+                return GenerationResult([], finish.NONE, expired=True)
+            token = stepper.next()
+            tokens.append(token)
+            batch.append(token)
+            self._lanes.decoded(lane, prompt_len + len(tokens))
+            if len(batch) >= self._batch or len(tokens) == max_tokens:
+                if not on_tokens(batch):
+                    return GenerationResult(tokens, finish.CANCELLED)
+                batch = []
+        return GenerationResult(tokens, finish.NONE)
+
+    def _pause(self) -> bool:
+        """Waits out the per-token delay; True once the engine is closed."""
+        if self._delay:
+            return self._closed.wait(self._delay)
+        return self._closed.is_set()
+
+    def forward_stage(
+        self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None
+    ) -> StageOutput:
+        if start_layer > end_layer or end_layer > N_LAYERS:
+            raise StageError(
+                f"layers [{start_layer}, {end_layer}) are not a range of the mock's {N_LAYERS}"
+            )
+        h = _stage_input(tokens, hidden_in)
+        for layer in range(start_layer, end_layer):
+            h = xxhash.xxh3_64_intdigest(struct.pack("<QI", h, layer))
+        if end_layer >= N_LAYERS:
+            return StageToken(h % VOCAB)
+        return StageHidden(struct.pack("<Q", h))
+
+
+def _stage_input(tokens: Sequence[int], hidden_in: bytes | None) -> int:
+    """The value a stage starts from: the previous stage's 8 bytes, else the tokens' hash."""
+    if hidden_in is None:
+        try:
+            return xxhash.xxh3_64_intdigest(pack_tokens(tokens))
+        except ValueError as e:
+            raise StageError(str(e)) from None
+    if len(hidden_in) != 8:
+        raise StageError(f"a mock hidden state is 8 bytes, not {len(hidden_in)}")
+    return int.from_bytes(hidden_in, "little")
