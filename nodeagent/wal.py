@@ -2,17 +2,19 @@
 
 from dataclasses import dataclass
 
+from proto.postcard import F32, U32, U64
+
 
 @dataclass(frozen=True)
 class GenParams:
     """Sampling knobs of one session. All zeros means greedy with no truncation.
 
     `top_p` 0 or 1, `top_k` 0 and `min_p` 0 each mean "off"; `seed` makes a sampled generation
-    reproducible.
+    reproducible. The annotations are the postcard wire types (`nodeagent.fleet`).
     """
 
-    temperature: float = 0.0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    top_k: int = 0
-    seed: int = 0
+    temperature: F32 = 0.0
+    top_p: F32 = 0.0
+    min_p: F32 = 0.0
+    top_k: U32 = 0
+    seed: U64 = 0

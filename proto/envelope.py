@@ -1,0 +1,167 @@
+"""The frame envelope shared by Link W and Link F (linkf-wire.md §1).
+
+A frame is `len: u32` then `len` bytes: a 21-byte little-endian header (proto_version u16,
+msg_type u16, seq u64, correlation_id u64, class u8) and the payload.
+"""
+
+import enum
+from dataclasses import dataclass
+from struct import Struct
+from struct import error as StructError
+
+MAX_FRAME = 16 * 1024 * 1024
+HEADER_LEN = 21
+DROPPABLE_BIT = 0x8000
+
+_PREFIX = Struct("<I")
+_HEADER = Struct("<IHHQQB")
+_FIELDS = Struct("<HHQQB")
+
+# Consumed bytes are dropped from the decoder's buffer once there are this many and they are at
+# least half of it, which keeps byte-at-a-time feeding linear.
+_COMPACT_AT = 1 << 16
+
+_SKIPPED = object()
+
+
+class FrameClass(enum.IntEnum):
+    REQUIRED = 0
+    DROPPABLE = 1
+
+    @classmethod
+    def for_type(cls, msg_type):
+        """The class a `msg_type` must travel in: bit 15 set means droppable."""
+        return cls.DROPPABLE if msg_type & DROPPABLE_BIT else cls.REQUIRED
+
+
+@dataclass
+class Frame:
+    proto_version: int
+    msg_type: int
+    seq: int
+    correlation_id: int
+    class_: FrameClass
+    payload: bytes
+
+
+class EnvelopeError(ValueError):
+    """A frame that cannot be written, or a byte stream that breaks the envelope rules."""
+
+
+class FrameTooLarge(EnvelopeError):
+    def __init__(self, length, max_len=MAX_FRAME):
+        super().__init__(f"frame length {length} exceeds the {max_len} byte cap")
+        self.len = length
+        self.max = max_len
+
+
+class ClassRangeMismatch(EnvelopeError):
+    def __init__(self, msg_type, class_byte, expected):
+        super().__init__(
+            f"class byte {class_byte} for msg_type 0x{msg_type:04x} disagrees with its range "
+            f"(expected {expected.name})"
+        )
+        self.msg_type = msg_type
+        self.class_byte = class_byte
+        self.expected = expected
+
+
+class UnknownRequiredType(EnvelopeError):
+    def __init__(self, msg_type):
+        super().__init__(f"unknown msg_type 0x{msg_type:04x} in the required range")
+        self.msg_type = msg_type
+
+
+class BadLength(EnvelopeError):
+    def __init__(self, length, min_len=HEADER_LEN):
+        super().__init__(f"frame length {length} is smaller than the {min_len} byte header")
+        self.len = length
+        self.min = min_len
+
+
+class Truncated(EnvelopeError):
+    def __init__(self, buffered):
+        super().__init__(f"stream ended inside a frame ({buffered} bytes buffered)")
+        self.buffered = buffered
+
+
+def encode_frame(frame):
+    """The bytes of `frame`: its length prefix, header and payload."""
+    expected = FrameClass.for_type(frame.msg_type)
+    if frame.class_ != expected:
+        raise ClassRangeMismatch(frame.msg_type, int(frame.class_), expected)
+    length = HEADER_LEN + len(frame.payload)
+    if length > MAX_FRAME:
+        raise FrameTooLarge(length)
+    try:
+        header = _HEADER.pack(
+            length, frame.proto_version, frame.msg_type, frame.seq, frame.correlation_id, frame.class_
+        )
+    except StructError as e:
+        raise EnvelopeError(f"header field out of range: {e}") from None
+    return header + frame.payload
+
+
+class FrameDecoder:
+    """Splits a byte stream into frames, however it is cut into `feed` calls.
+
+    `is_known(msg_type)` says which types this link speaks: an unknown required type is a
+    protocol error, an unknown droppable one is skipped.
+    """
+
+    def __init__(self, is_known):
+        self._is_known = is_known
+        self._buf = bytearray()
+        self._pos = 0
+
+    def feed(self, data):
+        self._buf += data
+
+    def decode_next(self):
+        """The next whole frame, or None until more bytes arrive."""
+        while True:
+            frame = self._take_frame()
+            if frame is not _SKIPPED:
+                return frame
+
+    def finish(self):
+        """Checks that the stream ended between frames."""
+        buffered = len(self._buf) - self._pos
+        if buffered:
+            raise Truncated(buffered)
+
+    def _take_frame(self):
+        """The next frame, None, or `_SKIPPED` for an unknown droppable one, consumed."""
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < 4:
+            return None
+        (length,) = _PREFIX.unpack_from(buf, pos)
+        if length < HEADER_LEN:
+            raise BadLength(length)
+        if length > MAX_FRAME:
+            raise FrameTooLarge(length)
+        end = pos + 4 + length
+        if len(buf) < end:
+            return None
+        version, msg_type, seq, correlation_id, class_byte = _FIELDS.unpack_from(buf, pos + 4)
+        with memoryview(buf) as view:
+            payload = view[pos + 4 + HEADER_LEN : end].tobytes()
+        self._consume(end)
+        expected = FrameClass.for_type(msg_type)
+        if class_byte != expected:
+            raise ClassRangeMismatch(msg_type, class_byte, expected)
+        if not self._is_known(msg_type):
+            if expected == FrameClass.REQUIRED:
+                raise UnknownRequiredType(msg_type)
+            return _SKIPPED
+        return Frame(version, msg_type, seq, correlation_id, expected, payload)
+
+    def _consume(self, end):
+        if end == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        elif end >= _COMPACT_AT and end * 2 >= len(self._buf):
+            del self._buf[:end]
+            self._pos = 0
+        else:
+            self._pos = end

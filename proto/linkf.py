@@ -1,0 +1,425 @@
+"""The Link F catalog: message types and their payloads (linkf-wire.md §3)."""
+
+import enum
+from dataclasses import dataclass
+
+from proto.handshake import CapacitySummary, Hello, HelloAckF, LinkFLimits
+from proto.linkw import MemCountersMsg
+from proto.postcard import (
+    U8,
+    U32,
+    U64,
+    Array32,
+    Bool,
+    Bytes,
+    Option,
+    PostcardError,
+    Str,
+    Vec,
+    data_enum,
+    from_bytes,
+    struct,
+)
+
+
+class msg_type:
+    """The `msg_type` of each Link F frame; those with bit 15 set are droppable."""
+
+    HELLO = 0x0001
+    HELLO_ACK_F = 0x0002
+    RECONCILE = 0x0003
+    RECONCILE_ACK = 0x0004
+    SESSION_ASSIGN = 0x0005
+    SESSION_REVOKE = 0x0006
+    POLICY_UPDATE = 0x0007
+    LEASE_RENEW = 0x0008
+    LEASE_GRANT = 0x0009
+    APPEND_CONTENT = 0x000A
+    GENERATE_REQ = 0x000B
+    PARK_REQ = 0x000C
+    RESUME_REQ = 0x000D
+    TOKEN_EVENTS = 0x000E
+    WATERMARK_ACK = 0x000F
+    XFER_BEGIN = 0x0010
+    XFER_CHUNK = 0x0011
+    XFER_END = 0x0012
+    XFER_ABORT = 0x0013
+    STATE_SHIP = 0x0014
+    STATE_FETCH = 0x0015
+    BLOB_FETCH = 0x0016
+    NODE_STATUS = 0x0017
+    GENERATE_CANCEL = 0x0018
+    STAGE_FORWARD_REQ = 0x0019
+    STAGE_FORWARD_RESP = 0x001A
+    TELEMETRY = 0x8001
+    KEEPALIVE = 0x8002
+
+
+ALL = (
+    msg_type.HELLO,
+    msg_type.HELLO_ACK_F,
+    msg_type.RECONCILE,
+    msg_type.RECONCILE_ACK,
+    msg_type.SESSION_ASSIGN,
+    msg_type.SESSION_REVOKE,
+    msg_type.POLICY_UPDATE,
+    msg_type.LEASE_RENEW,
+    msg_type.LEASE_GRANT,
+    msg_type.APPEND_CONTENT,
+    msg_type.GENERATE_REQ,
+    msg_type.PARK_REQ,
+    msg_type.RESUME_REQ,
+    msg_type.TOKEN_EVENTS,
+    msg_type.WATERMARK_ACK,
+    msg_type.XFER_BEGIN,
+    msg_type.XFER_CHUNK,
+    msg_type.XFER_END,
+    msg_type.XFER_ABORT,
+    msg_type.STATE_SHIP,
+    msg_type.STATE_FETCH,
+    msg_type.BLOB_FETCH,
+    msg_type.NODE_STATUS,
+    msg_type.GENERATE_CANCEL,
+    msg_type.STAGE_FORWARD_REQ,
+    msg_type.STAGE_FORWARD_RESP,
+    msg_type.TELEMETRY,
+    msg_type.KEEPALIVE,
+)
+
+_KNOWN = frozenset(ALL)
+
+
+def is_known_type(t):
+    return t in _KNOWN
+
+
+# Nested types
+
+
+@struct
+class Lease:
+    duration_ms: U64
+    renew_by_ms: U64
+
+
+@struct
+class LeaseStateMsg:
+    lease: Lease
+    elapsed_ms: U64
+
+
+@struct
+class GenerationWatermark:
+    generation_id: U64
+    watermark: Option[U64]
+
+
+@struct
+class SessionReconcileState:
+    session_id: U64
+    epoch: U64
+    lease_state: LeaseStateMsg
+    command_watermark: U64
+    generation_watermarks: Vec[GenerationWatermark]
+
+
+@struct
+class RetryRange:
+    """Token events `from_seq ..= to_seq` (inclusive) of one generation, to send again."""
+
+    generation_id: U64
+    from_seq: U64
+    to_seq: U64
+
+
+@struct
+class SessionReconcileAck:
+    session_id: U64
+    held: Bool
+    retry_ranges: Vec[RetryRange]
+    lease_view: LeaseStateMsg
+
+
+@struct
+class TokenSpan:
+    start: U64
+    end: U64
+
+
+@struct
+class GenerationBudgetsMsg:
+    max_new_tokens: U64
+    max_wall_ms: U64
+
+
+class SegmentKind(enum.IntEnum):
+    TextDelta = 0
+    ReasoningDelta = 1
+    ToolCallDelta = 2
+
+
+@struct
+class UsageMsg:
+    input_tokens: U64
+    output_tokens: U64
+
+
+@data_enum
+class TokenEventPayload:
+    """What one token event carries; `Tokens` and `Usage` are newtype variants."""
+
+    @struct
+    class Tokens:
+        tokens: Vec[U32]
+
+    @struct
+    class Segment:
+        kind: SegmentKind
+        data: Bytes
+
+    @struct
+    class Usage:
+        usage: UsageMsg
+
+    @struct
+    class Finish:
+        reason: U32
+
+
+@struct
+class TokenEvent:
+    session_id: U64
+    epoch: U64
+    generation_id: U64
+    event_seq: U64
+    payload: TokenEventPayload
+
+
+# Payloads, in msg_type order
+
+
+@struct
+class ReconcileMsg:
+    sessions: Vec[SessionReconcileState]
+
+
+@struct
+class ReconcileAckMsg:
+    sessions: Vec[SessionReconcileAck]
+
+
+@struct
+class SessionAssignMsg:
+    """`params` holds a postcard `GenParams` (see `nodeagent.fleet`)."""
+
+    command_id: U64
+    session_id: U64
+    epoch: U64
+    lease: Lease
+    codec: Str
+    params: Bytes
+    qos_class: U8
+    policy_ref: U64
+
+
+@struct
+class SessionRevokeMsg:
+    command_id: U64
+    session_id: U64
+    epoch: U64
+
+
+@struct
+class PolicyUpdateMsg:
+    policy_version: U64
+    envelope: Bytes
+
+
+@struct
+class LeaseRenewMsg:
+    session_id: U64
+    epoch: U64
+
+
+@struct
+class LeaseGrantMsg:
+    session_id: U64
+    epoch: U64
+    duration_ms: U64
+    renew_by_ms: U64
+
+
+@struct
+class AppendContentMsg:
+    """`blocks` holds a postcard `Vec<u32>`: the session's whole context."""
+
+    command_id: U64
+    session_id: U64
+    epoch: U64
+    blocks: Bytes
+    spans: Vec[TokenSpan]
+    media_refs: Vec[Array32]
+
+
+@struct
+class GenerateReqMsg:
+    command_id: U64
+    session_id: U64
+    epoch: U64
+    generation_id: U64
+    budgets: GenerationBudgetsMsg
+    policy_ref: U64
+
+
+@struct
+class ParkReqMsg:
+    command_id: U64
+    session_id: U64
+    epoch: U64
+    generation_id: U64
+
+
+@struct
+class ResumeReqMsg:
+    command_id: U64
+    session_id: U64
+    epoch: U64
+    generation_id: U64
+    budgets: GenerationBudgetsMsg
+    policy_ref: U64
+
+
+@struct
+class TokenEventsMsg:
+    events: Vec[TokenEvent]
+
+
+@struct
+class WatermarkAckMsg:
+    session_id: U64
+    epoch: U64
+    generation_id: U64
+    watermark: U64
+
+
+@struct
+class XferBeginMsg:
+    transfer_id: U64
+    total_len: U64
+    checksum: U64
+    content_type: U32
+    content_hash: Array32
+
+
+@struct
+class XferChunkMsg:
+    transfer_id: U64
+    offset: U64
+    data: Bytes
+
+
+@struct
+class XferEndMsg:
+    transfer_id: U64
+
+
+@struct
+class XferAbortMsg:
+    transfer_id: U64
+    reason: U32
+
+
+@struct
+class StateShipMsg:
+    envelope: Bytes
+    transfer_id: U64
+
+
+@struct
+class StateFetchMsg:
+    envelope: Bytes
+    transfer_id: U64
+
+
+@struct
+class BlobFetchMsg:
+    content_hash: Array32
+
+
+@struct
+class NodeStatusMsg:
+    capacity: CapacitySummary
+    loadable_models: Vec[Str]
+    mem: MemCountersMsg
+
+
+@struct
+class GenerateCancelMsg:
+    session_id: U64
+    generation_id: U64
+
+
+@struct
+class StageForwardReqMsg:
+    request_id: U64
+    tokens: Vec[U32]
+    start_layer: U32
+    end_layer: U32
+    hidden_in: Option[Bytes]
+
+
+@struct
+class StageForwardRespMsg:
+    request_id: U64
+    hidden: Option[Bytes]
+    token: Option[U32]
+
+
+@struct
+class TelemetryMsg:
+    spans: Bytes
+
+
+@dataclass
+class KeepAlive:
+    """KEEPALIVE's payload, Rust's `()`: a struct with no fields, written as zero bytes."""
+
+
+PAYLOAD_TYPES = {
+    msg_type.HELLO: Hello,
+    msg_type.HELLO_ACK_F: HelloAckF,
+    msg_type.RECONCILE: ReconcileMsg,
+    msg_type.RECONCILE_ACK: ReconcileAckMsg,
+    msg_type.SESSION_ASSIGN: SessionAssignMsg,
+    msg_type.SESSION_REVOKE: SessionRevokeMsg,
+    msg_type.POLICY_UPDATE: PolicyUpdateMsg,
+    msg_type.LEASE_RENEW: LeaseRenewMsg,
+    msg_type.LEASE_GRANT: LeaseGrantMsg,
+    msg_type.APPEND_CONTENT: AppendContentMsg,
+    msg_type.GENERATE_REQ: GenerateReqMsg,
+    msg_type.PARK_REQ: ParkReqMsg,
+    msg_type.RESUME_REQ: ResumeReqMsg,
+    msg_type.TOKEN_EVENTS: TokenEventsMsg,
+    msg_type.WATERMARK_ACK: WatermarkAckMsg,
+    msg_type.XFER_BEGIN: XferBeginMsg,
+    msg_type.XFER_CHUNK: XferChunkMsg,
+    msg_type.XFER_END: XferEndMsg,
+    msg_type.XFER_ABORT: XferAbortMsg,
+    msg_type.STATE_SHIP: StateShipMsg,
+    msg_type.STATE_FETCH: StateFetchMsg,
+    msg_type.BLOB_FETCH: BlobFetchMsg,
+    msg_type.NODE_STATUS: NodeStatusMsg,
+    msg_type.GENERATE_CANCEL: GenerateCancelMsg,
+    msg_type.STAGE_FORWARD_REQ: StageForwardReqMsg,
+    msg_type.STAGE_FORWARD_RESP: StageForwardRespMsg,
+    msg_type.TELEMETRY: TelemetryMsg,
+    msg_type.KEEPALIVE: KeepAlive,
+}
+
+
+def decode_payload(t, payload):
+    """The payload of a frame of type `t`; an unknown type is a `PostcardError` too."""
+    cls = PAYLOAD_TYPES.get(t)
+    if cls is None:
+        raise PostcardError(f"unknown msg_type 0x{t:04x}")
+    return from_bytes(cls, payload)
