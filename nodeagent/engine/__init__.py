@@ -19,12 +19,18 @@ def open_engine(
     max_batch: int = 8,
     max_context: int | None = None,
     kv_budget_mb: int | None = None,
+    token_delay_s: float = 0.0,
 ) -> Daemon:
-    """Build the daemon for `runtime`; imports torch only when the torch engine is asked for."""
+    """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
+
+    `token_delay_s` slows the mock's every step, so tests can hold a generation open.
+    """
     if runtime == "mock":
         from nodeagent.engine.mock import MockDaemon
 
-        return MockDaemon(max_context=max_context or 4096, max_lanes=max_batch)
+        return MockDaemon(
+            max_context=max_context or 4096, max_lanes=max_batch, token_delay_s=token_delay_s
+        )
     if runtime == "torch":
         from nodeagent.engine.torch_engine import TorchDaemon
 

@@ -1,0 +1,7 @@
+"""`python -m nodeagent`: the same process as the `superfluid-noded` console script."""
+
+import sys
+
+from nodeagent.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""Logging to stderr in the shape of the Rust node's `tracing_subscriber` fmt output.
+
+Operators run Rust and Python nodes side by side and read their logs with the same eyes and
+tools, so a line reads `2026-01-02T03:04:05.678901Z  WARN nodeagent::agent: message k=v`, and
+the level comes from the same kind of filter: `SUPERFLUID_LOG`, else `RUST_LOG`, else `info`;
+a filter is `level` or `target=level` directives separated by commas (`warn,nodeagent=debug`).
+Key-value fields ride on a record as `extra={"fields": {...}}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+TRACE = 5
+logging.addLevelName(TRACE, "TRACE")
+
+LEVELS = {
+    "trace": TRACE,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "off": logging.CRITICAL + 10,
+}
+
+_NAMES = {TRACE: "TRACE", logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARN"}
+
+
+class TracingFormatter(logging.Formatter):
+    """`<RFC 3339 UTC, microseconds>  LEVEL target: message k=v` (the level right-aligned in 5)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        micros = int(record.created % 1 * 1_000_000)
+        level = _NAMES.get(record.levelno, "ERROR" if record.levelno >= logging.ERROR else "INFO")
+        target = record.name.replace(".", "::")
+        line = f"{stamp}.{micros:06d}Z {level:>5} {target}: {record.getMessage()}"
+        fields = getattr(record, "fields", None)
+        if fields:
+            line += "".join(f" {k}={v}" for k, v in fields.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def parse_filter(spec: str) -> tuple[int, dict[str, int]]:
+    """The default level and per-target levels of an env-filter string; ValueError if malformed."""
+    default = logging.INFO
+    targets: dict[str, int] = {}
+    for directive in filter(None, (d.strip() for d in spec.split(","))):
+        target, _, level = directive.rpartition("=")
+        if level.lower() not in LEVELS:
+            raise ValueError(f"unknown level {level!r} in {directive!r}")
+        if target:
+            targets[target.replace("::", ".")] = LEVELS[level.lower()]
+        else:
+            default = LEVELS[level.lower()]
+    return default, targets
+
+
+def filter_from_env(env=os.environ) -> str:
+    return env.get("SUPERFLUID_LOG") or env.get("RUST_LOG") or "info"
+
+
+def init_stderr(spec: str, program: str = "superfluid-noded") -> None:
+    """Sends every log record to stderr as the Rust node does; a bad filter falls back to info."""
+    try:
+        default, targets = parse_filter(spec)
+    except ValueError as e:
+        print(f"{program}: logging: log filter {spec!r}: {e} (using \"info\")", file=sys.stderr)
+        default, targets = logging.INFO, {}
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TracingFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(default)
+    for target, level in targets.items():
+        logging.getLogger(target).setLevel(level)

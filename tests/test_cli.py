@@ -1,0 +1,234 @@
+"""`superfluid-noded` start-up: flags, exit codes and the stderr lines tools scrape.
+
+Each case runs the real process; none needs a head. Serving is in test_fleet_noded_process.py.
+"""
+
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from nodeagent import cli, logs
+
+REFUSAL = (
+    "superfluid-noded: refusing to serve {listen} without a fleet token. Run `superfluid fleet "
+    "token` on the head and pass it in --auth-file <path>, bind to loopback, or (behind an "
+    "already-authenticated transport like Tailscale/WireGuard) pass --insecure-no-auth to accept "
+    "transport-only trust."
+)
+
+
+@pytest.fixture
+def home(tmp_path):
+    return tmp_path
+
+
+def noded(home, *args, timeout=30, **env):
+    base = {k: v for k, v in os.environ.items() if k not in ("SUPERFLUID_LOG", "RUST_LOG", "SUPERFLUID_NODE_NAME")}
+    base.update(HOME=str(home), SUPERFLUID_HOME=str(home / ".superfluid"), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "nodeagent", *args],
+        env=base,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write_token(home, content):
+    path = home / ".superfluid" / "fleet" / "token"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--listen", "127.0.0.1:0"],
+        ["--bogus"],
+        ["--engine", "mock", "--listen"],
+        ["--engine", "mock", "--max-batch", "x"],
+        ["--engine", "mock", "--max-batch", "-1"],
+        ["--engine", "mock", "--max-context", "1.5"],
+        ["--engine", "mock", "--handshake-timeout-ms", "-5"],
+        ["--engine", "mock", "--idle-timeout-ms", "10s"],
+        ["--engine", "mock", "--device", "tpu"],
+        ["--engine", "torch"],
+    ],
+)
+def test_usage_errors_print_the_usage_and_exit_2(home, args):
+    out = noded(home, *args)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("usage: superfluid-noded --model <path|builtin>"), out.stderr
+    assert "--insecure-no-auth" in out.stderr and out.stdout == ""
+
+
+def test_help_prints_the_usage_on_stdout(home):
+    out = noded(home, "--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: superfluid-noded")
+
+
+def test_an_open_listener_without_a_token_is_refused_before_anything_loads(home):
+    out = noded(home, "--listen", "0.0.0.0:0", "--model", "nobody-here/no-such-model")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == REFUSAL.format(listen="0.0.0.0:0") + "\n"
+    assert not (home / ".superfluid").exists()
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:0", "[::1]:0", "127.8.9.10:0"])
+def test_loopback_needs_no_token(listen):
+    assert cli.loopback(listen)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:8454", "[::]:0", "10.0.0.1:1", "localhost.example:1", "128.0.0.1:1"])
+def test_other_addresses_are_off_loopback(listen):
+    assert not cli.loopback(listen)
+
+
+def test_an_empty_token_file_counts_as_no_token(home):
+    write_token(home, b" \n\t ")
+    out = noded(home, "--listen", "0.0.0.0:0", "--engine", "mock")
+    assert out.returncode == 2 and REFUSAL.format(listen="0.0.0.0:0") in out.stderr
+
+
+def test_the_default_token_file_is_used_and_named(home):
+    path = write_token(home, b"  t0ken\n")
+    out = noded(home, "--listen", "0.0.0.0:0", "--model", str(home / "absent"))
+    assert out.returncode == 3, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0] == f"superfluid-noded: fleet token from {path}"
+    assert str(home / "absent") in lines[-1]
+
+
+def test_insecure_no_auth_warns_and_goes_on(home):
+    out = noded(home, "--listen", "0.0.0.0:0", "--insecure-no-auth", "--model", str(home / "absent"))
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.splitlines()[0] == (
+        "superfluid-noded: WARNING --insecure-no-auth: accepting any peer that reaches 0.0.0.0:0 "
+        "(transport-only trust)"
+    )
+
+
+def test_an_unreadable_auth_file_exits_1_even_off_loopback(home):
+    missing = home / "nope"
+    out = noded(home, "--listen", "0.0.0.0:0", "--engine", "mock", "--auth-file", str(missing))
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (
+        f"superfluid-noded: cannot read --auth-file {missing}: No such file or directory (os error 2)"
+    )
+    out = noded(home, "--listen", "0.0.0.0:0", "--engine", "mock", "--auth-file", str(home))
+    assert out.returncode == 1 and "Is a directory" in out.stderr
+
+
+def test_the_auth_file_is_trimmed_of_ascii_whitespace(home, monkeypatch):
+    token = home / "token"
+    token.write_bytes(b"\r\n\t abc def \x0c\n")
+    opts = cli.Options(listen="0.0.0.0:1", auth_file=str(token))
+    assert cli.fleet_token(opts) == b"abc def"
+
+
+def test_the_default_token_is_read_from_superfluid_home(home, monkeypatch):
+    write_token(home, b"secret\n")
+    monkeypatch.setenv("SUPERFLUID_HOME", str(home / ".superfluid"))
+    assert cli.fleet_token(cli.Options(listen="0.0.0.0:1")) == b"secret"
+    monkeypatch.delenv("SUPERFLUID_HOME")
+    monkeypatch.setenv("HOME", str(home))
+    assert cli.superfluid_home() == home / ".superfluid"
+
+
+def test_a_port_in_use_exits_1(home):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        out = noded(home, "--listen", listen, "--engine", "mock")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (
+        f"superfluid-noded: bind {listen} failed: Address already in use (os error 98)"
+    )
+
+
+def test_an_address_that_is_no_address_exits_1(home):
+    out = noded(home, "--listen", "localhost:http", "--engine", "mock")
+    assert out.returncode == 1
+    assert out.stderr.strip() == "superfluid-noded: bind localhost:http failed: invalid socket address"
+
+
+def test_the_port_is_checked_before_the_model(home):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        out = noded(home, "--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--model", "/no/such/model.base")
+    assert out.returncode == 1 and "bind" in out.stderr
+
+
+def test_a_missing_model_exits_3_and_names_it(home):
+    out = noded(home, "--listen", "127.0.0.1:0", "--model", "/no/such/model.base")
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.startswith("superfluid-noded: /no/such/model.base: no such file or directory")
+
+
+def test_a_model_of_no_known_format_exits_3(home):
+    (home / "weights.gguf").write_bytes(b"GGUF")
+    out = noded(home, "--listen", "127.0.0.1:0", "--model", str(home / "weights.gguf"))
+    assert out.returncode == 3 and "--runtime" in out.stderr
+
+
+def test_an_unknown_runtime_exits_3(home):
+    out = noded(home, "--listen", "127.0.0.1:0", "--runtime", "llamacpp", "--model", str(home))
+    assert out.returncode == 3
+    assert "--runtime 'llamacpp' is not a runtime id" in out.stderr
+
+
+def test_a_model_that_fails_to_load_exits_3(home):
+    (home / "ckpt").mkdir()
+    (home / "ckpt" / "config.json").write_text("{ not json")
+    out = noded(home, "--listen", "127.0.0.1:0", "--model", str(home / "ckpt"), "--device", "cpu", timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("superfluid-noded: model load failed: ")
+
+
+def test_parse_args_defaults_and_floors():
+    opts = cli.parse_args(["--engine", "mock", "--max-batch", "0"])
+    assert (opts.listen, opts.max_batch, opts.handshake_timeout_ms, opts.idle_timeout_ms) == (
+        "0.0.0.0:8454", 1, 10_000, 30_000
+    )
+    assert (opts.drain_timeout_ms, opts.device, opts.runtime) == (30_000, "auto", "mock")
+    assert cli.parse_args(["--runtime", "mock", "--max-context", "-3"]).max_context == -3
+
+
+def test_the_identity_comes_from_the_flag_then_the_environment_then_the_host(monkeypatch):
+    monkeypatch.setenv("SUPERFLUID_NODE_NAME", "from-env")
+    assert cli.identity(cli.Options(identity="flag")) == "flag"
+    assert cli.identity(cli.Options()) == "from-env"
+    monkeypatch.delenv("SUPERFLUID_NODE_NAME")
+    assert cli.identity(cli.Options()) == socket.gethostname()
+
+
+def test_the_log_filter_reads_like_rust_log():
+    assert logs.parse_filter("warn") == (logging.WARNING, {})
+    assert logs.parse_filter("info,nodeagent::agent=debug, linkf=trace") == (
+        logging.INFO,
+        {"nodeagent.agent": logging.DEBUG, "linkf": logs.TRACE},
+    )
+    with pytest.raises(ValueError):
+        logs.parse_filter("loud")
+    assert logs.filter_from_env({"RUST_LOG": "debug"}) == "debug"
+    assert logs.filter_from_env({"RUST_LOG": "debug", "SUPERFLUID_LOG": "warn"}) == "warn"
+    assert logs.filter_from_env({}) == "info"
+
+
+def test_a_log_line_looks_like_tracing_fmt():
+    record = logging.LogRecord("nodeagent.agent", logging.WARNING, __file__, 1, "dropped %s", ("it",), None)
+    record.fields = {"session": 3, "epoch": 7}
+    line = logs.TracingFormatter().format(record)
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z  WARN nodeagent::agent: dropped it session=3 epoch=7", line
+    ), line
