@@ -1,0 +1,679 @@
+"""The node agent: serves a head over Link F from one daemon (node-behaviour.md §1).
+
+One `NodeAgent.serve` runs per accepted connection, on a thread of its own. Every connection of
+a node shares one `AgentShared`, so a session placed over one connection survives it and can
+be reconciled over the next. Generations and stage forwards run on worker threads of their own
+and hand what they produce to the connection's loop through a `queue.Queue`, so the loop keeps
+reading the head (cancels, lease grants, heartbeats) and sending status while they run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from linkf.agent import AgentAction, AgentSession
+from linkf.driver import PROTO_VERSION, Endpoint, Liveness
+from linkf.errors import LinkFError
+from nodeagent import finish
+from nodeagent.daemon import (
+    ConstraintError,
+    Daemon,
+    DaemonError,
+    GenerationError,
+    GenerationResult,
+    GenExtras,
+    StageHidden,
+    StageToken,
+    StreamTooLong,
+)
+from nodeagent.fleet import decode_params, decode_tokens
+from nodeagent.wal import GenParams
+from proto.envelope import MAX_FRAME, Frame
+from proto.handshake import CapacitySummary, HelloAckF
+from proto.linkf import (
+    GenerateReqMsg,
+    LinkFLimits,
+    NodeStatusMsg,
+    StageForwardReqMsg,
+    StageForwardRespMsg,
+    TokenEvent,
+    TokenEventPayload,
+    TokenEventsMsg,
+    decode_payload,
+    msg_type,
+)
+from proto.linkw import MemCountersMsg
+from proto.postcard import PostcardError
+
+log = logging.getLogger(__name__)
+
+U32_MAX = 2**32 - 1
+
+#: The wall budget of a generation ran out (the head reads it as a normal, expired result).
+FINISH_EXPIRED = U32_MAX
+#: The node cannot stage the generation: a context past its window, a constraint it lacks.
+FINISH_REFUSED = U32_MAX - 1
+#: Unknown session, superseded epoch, replayed command, or a generation already running here.
+FINISH_DECLINED = U32_MAX - 2
+
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+#: Seconds the head may stay silent before the node drops the connection: six heartbeats.
+DEFAULT_IDLE_TIMEOUT = 30.0
+
+STATUS_INTERVAL_MS = 2_000
+#: Seconds after which a renewal the head left unanswered is asked for again.
+RENEW_RETRY = 1.0
+#: Read timeout of one pump while work runs: it bounds how late a generation's tokens leave.
+POLL_RUNNING = 0.002
+POLL_IDLE = 0.020
+EMIT_COALESCE_TOKENS = 16
+EMIT_COALESCE_MS = 200
+#: Busy time a rate sample needs before it counts.
+MIN_BUSY_MS = 200
+
+_connections = itertools.count(1)
+
+
+class Busy:
+    """Time with at least one generation running. The node's rates are measured over it, since
+    a rate over wall time would make an idle node look slow. Guarded by `AgentShared.lock`."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.since: float | None = None
+        self.total = 0.0
+
+    def start(self) -> None:
+        if self.running == 0:
+            self.since = time.monotonic()
+        self.running += 1
+
+    def stop(self) -> None:
+        self.running = max(self.running - 1, 0)
+        if self.running == 0 and self.since is not None:
+            self.total += time.monotonic() - self.since
+            self.since = None
+
+    def ms(self) -> int:
+        current = time.monotonic() - self.since if self.since is not None else 0.0
+        return int((self.total + current) * 1000)
+
+
+@dataclass
+class AgentShared:
+    """What every connection of one node shares; touch it only while holding `lock`."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    agent: AgentSession = field(default_factory=AgentSession)
+    #: The connection each session was placed over: the one whose head answers its renewals.
+    owners: dict[int, int] = field(default_factory=dict)
+    contexts: dict[int, list[int]] = field(default_factory=dict)
+    params: dict[int, GenParams] = field(default_factory=dict)
+    last_load_sample: tuple[int, int, int] | None = None
+    decode_rate_ewma: int = 0
+    prefill_rate_ewma: int = 0
+    busy: Busy = field(default_factory=Busy)
+    #: Generations some connection is running, until their Finish is sent or they are dropped.
+    runs: int = 0
+
+    def running_generations(self) -> int:
+        """How many generations are running on any connection (a drain waits for zero)."""
+        with self.lock:
+            return self.runs
+
+    def forget(self, session_id: int) -> None:
+        self.contexts.pop(session_id, None)
+        self.params.pop(session_id, None)
+        self.owners.pop(session_id, None)
+
+
+class Out:
+    """What a generation's worker hands its connection's loop. The worker putting None instead
+    of a `Done` means it ended without a result (the seed's hung-up channel)."""
+
+    @dataclass(frozen=True)
+    class Tokens:
+        tokens: list[int]
+
+    @dataclass(frozen=True)
+    class Done:
+        generated: GenerationResult | DaemonError
+
+
+@dataclass
+class Running:
+    """A generation running on a connection. Whoever drops one must `stop()` it, which ends the
+    generation at its next step (the seed did that in `Drop`)."""
+
+    session_id: int
+    generation_id: int
+    max_new: int
+    cancel: threading.Event
+    out: queue.Queue
+    last_flush: int
+    #: The head asked for the stop.
+    cancelled: bool = False
+    pending: list[int] = field(default_factory=list)
+
+    def stop(self) -> None:
+        self.cancel.set()
+
+
+@dataclass
+class Work:
+    """What a connection has running off its own thread."""
+
+    generation: Running | None = None
+    #: Where a stage forward's answer arrives (None from a worker that ended without one).
+    stage: queue.Queue | None = None
+
+    def busy(self) -> bool:
+        return self.generation is not None or self.stage is not None
+
+
+class NodeAgent:
+    """One node's agent; `connection()` makes the twin that serves one more connection."""
+
+    def __init__(self, daemon: Daemon, identity: str, model_name: str, *, shared: AgentShared | None = None):
+        self.daemon = daemon
+        self.shared = shared if shared is not None else AgentShared()
+        self.identity = identity
+        self.model_name = model_name
+        self.start = time.monotonic()
+        self.handshake_timeout = DEFAULT_HANDSHAKE_TIMEOUT
+        self.idle_timeout = DEFAULT_IDLE_TIMEOUT
+        self.auth = b""
+        self.max_lanes = 0
+        self.last_status_ms = 0
+        self.conn = next(_connections)
+        #: When (ms) this connection last asked for each lease not granted yet.
+        self.asked: dict[int, int] = {}
+
+    def with_max_lanes(self, lanes: int) -> NodeAgent:
+        self.max_lanes = lanes
+        return self
+
+    def with_timeouts(self, handshake_s: float, idle_s: float) -> NodeAgent:
+        """`idle_s`: how long the head may be silent before a connection is dropped, 0 keeps
+        every connection; keep it well above the head's 5 s heartbeat."""
+        self.handshake_timeout = handshake_s
+        self.idle_timeout = idle_s
+        return self
+
+    def with_auth(self, auth: bytes) -> NodeAgent:
+        self.auth = bytes(auth)
+        return self
+
+    def connection(self) -> NodeAgent:
+        """A twin over the same daemon and shared state, with fresh status and renewal clocks."""
+        twin = NodeAgent(self.daemon, self.identity, self.model_name, shared=self.shared)
+        twin.start = self.start
+        twin.handshake_timeout = self.handshake_timeout
+        twin.idle_timeout = self.idle_timeout
+        twin.auth = self.auth
+        twin.max_lanes = self.max_lanes
+        return twin
+
+    def running_generations(self) -> int:
+        return self.shared.running_generations()
+
+    def now_ms(self) -> int:
+        return int((time.monotonic() - self.start) * 1000)
+
+    # ---- capacity -------------------------------------------------------------------------
+
+    def sample_load(self) -> tuple[int, int, int, int, int, int, int, int]:
+        sh = self.shared
+        with sh.lock:
+            stats = self.daemon.sched_stats()
+            now = self.now_ms()
+            decoded, prefilled = stats.decode_tokens, stats.prefill_tokens
+            busy = sh.busy.ms()
+            if sh.last_load_sample is None:
+                sh.last_load_sample = (busy, decoded, prefilled)
+            else:
+                prev_busy, prev_decoded, prev_prefilled = sh.last_load_sample
+                dt_ms = max(busy - prev_busy, 0)
+                if dt_ms >= MIN_BUSY_MS:
+                    d = _rate(decoded, prev_decoded, dt_ms)
+                    pf = _rate(prefilled, prev_prefilled, dt_ms)
+                    if d > 0:
+                        sh.decode_rate_ewma = _smooth(sh.decode_rate_ewma, d)
+                    if pf > 0:
+                        sh.prefill_rate_ewma = _smooth(sh.prefill_rate_ewma, pf)
+                    sh.last_load_sample = (busy, decoded, prefilled)
+            rate, prefill_rate = sh.decode_rate_ewma, sh.prefill_rate_ewma
+        return (
+            stats.pool_blocks_used,
+            stats.pool_blocks_total,
+            stats.lanes_active & U32_MAX,
+            self.max_lanes,
+            sum(stats.queue_depth) & U32_MAX,
+            rate,
+            prefill_rate,
+            now,
+        )
+
+    def capacity(self) -> CapacitySummary:
+        kv_used, kv_total, lanes, max_lanes, depth, rate, prefill_rate, at = self.sample_load()
+        with self.shared.lock:
+            active = len(self.shared.contexts)
+        return CapacitySummary(
+            gpu_memory_bytes=0,
+            gpu_memory_free_bytes=0,
+            host_memory_bytes=0,
+            active_sessions=active,
+            max_sessions=U32_MAX,
+            max_context_tokens=self.daemon.max_stream_tokens(),
+            kv_blocks_used=kv_used,
+            kv_blocks_total=kv_total,
+            lanes_active=lanes,
+            max_lanes=max_lanes,
+            queue_depth=depth,
+            decode_tokens_per_s=rate,
+            prefill_tokens_per_s=prefill_rate,
+            sampled_at_ms=at,
+        )
+
+    def send_status(self, endpoint: Endpoint) -> None:
+        capacity = self.capacity()
+        msg = NodeStatusMsg(
+            capacity=capacity,
+            loadable_models=[self.model_name],
+            mem=MemCountersMsg(
+                allocated_bytes=0,
+                host_retained_bytes=0,
+                pool_blocks_total=capacity.kv_blocks_total,
+                pool_blocks_used=capacity.kv_blocks_used,
+                pool_bytes_evictable=0,
+                tentative_bytes=0,
+            ),
+        )
+        # A status that does not leave is no loss; a dead link shows at the next pump.
+        try:
+            endpoint.send(msg_type.NODE_STATUS, msg)
+        except LinkFError:
+            pass
+        self.last_status_ms = self.now_ms()
+
+    def ackf(self) -> HelloAckF:
+        return HelloAckF(
+            chosen_version=PROTO_VERSION,
+            node_identity=self.identity,
+            capacity=self.capacity(),
+            loadable_models=[self.model_name],
+            feature_flags=0,
+            limits=LinkFLimits(
+                max_frame=MAX_FRAME,
+                transfer_window=8,
+                max_transfer=1 << 26,
+                transfer_budget=1 << 28,
+            ),
+        )
+
+    # ---- the connection -------------------------------------------------------------------
+
+    def serve(self, endpoint: Endpoint) -> None:
+        """Serves one head until it leaves; raises the error (LinkFError or DaemonError) that
+        ended the connection otherwise. Closes the endpoint and stops its work on the way out."""
+        work = Work()
+        try:
+            try:
+                endpoint.answer_hello_as_agent(self.ackf(), self.auth, self.handshake_timeout or None)
+            except LinkFError.TimedOut:
+                log.warning("node-agent dropped a silent connection (no Hello)", extra=_fields(peer=endpoint.peer))
+                return
+            if self.idle_timeout:
+                heartbeat = min(Liveness.DEFAULT.heartbeat, self.idle_timeout / 3)
+            else:
+                heartbeat = Liveness.DEFAULT.heartbeat
+            endpoint.keep_alive(Liveness(heartbeat=heartbeat, silence=self.idle_timeout))
+            self.serve_link(endpoint, work)
+        finally:
+            self.drop_generation(work)
+            work.stage = None
+            endpoint.shutdown()
+
+    def serve_link(self, endpoint: Endpoint, work: Work) -> None:
+        while True:
+            now = self.now_ms()
+            self.renew(endpoint, now)
+            self.fence(now)
+            if now >= self.last_status_ms + STATUS_INTERVAL_MS:
+                self.send_status(endpoint)
+            was_busy = work.busy()
+            if work.generation is not None and self.forward(endpoint, work.generation, now):
+                self.drop_generation(work)
+            if work.stage is not None:
+                self.hand_back_stage(endpoint, work)
+            if was_busy and not work.busy():
+                endpoint.poll_every(POLL_IDLE)
+            try:
+                frames = endpoint.pump()
+            except LinkFError.Closed:
+                return
+            except LinkFError.TimedOut:
+                log.warning(
+                    "node-agent dropped a connection the head went silent on",
+                    extra=_fields(quiet_ms=int(endpoint.quiet_for() * 1000), peer=endpoint.peer),
+                )
+                return
+            for frame in frames:
+                self.handle(endpoint, frame, work)
+            # A version-2 head sends nothing while it waits on a generation, so only a
+            # connection with nothing running can be idle.
+            if (
+                endpoint.version() < 3
+                and not work.busy()
+                and self.idle_timeout
+                and endpoint.quiet_for() >= self.idle_timeout
+            ):
+                log.info("node-agent dropped an idle connection", extra=_fields(peer=endpoint.peer))
+                return
+
+    def renew(self, endpoint: Endpoint, now: int) -> None:
+        """Asks the head to renew the leases of the sessions placed over this connection, the
+        only one where it answers them; asks again each `RENEW_RETRY` until a grant comes."""
+        sh = self.shared
+        with sh.lock:
+            due = [r for r in sh.agent.needs_renew(now) if sh.owners.get(r.session_id) == self.conn]
+        for renewal in due:
+            at = self.asked.get(renewal.session_id)
+            if at is not None and now - at < RENEW_RETRY * 1000:
+                continue
+            endpoint.send(msg_type.LEASE_RENEW, renewal)
+            self.asked[renewal.session_id] = now
+
+    def fence(self, now: int) -> None:
+        sh = self.shared
+        with sh.lock:
+            for action in sh.agent.poll(now):
+                if isinstance(action, AgentAction.SelfFence):
+                    log.warning("node-agent self-fenced on lease expiry", extra=_fields(session_id=action.session_id))
+                    sh.forget(action.session_id)
+
+    def handle(self, endpoint: Endpoint, frame: Frame, work: Work) -> None:
+        handler = self._handlers.get(frame.msg_type)
+        if handler is not None:
+            handler(self, endpoint, _decode(frame), work)
+
+    def on_reconcile(self, endpoint: Endpoint, m, work: Work) -> None:
+        sh = self.shared
+        with sh.lock:
+            ack, retransmissions = sh.agent.on_reconcile(m, self.now_ms())
+            for s in ack.sessions:
+                if s.held:
+                    sh.owners[s.session_id] = self.conn
+        endpoint.send(msg_type.RECONCILE_ACK, ack)
+        for batch in retransmissions:
+            endpoint.send(msg_type.TOKEN_EVENTS, batch)
+
+    def on_assign(self, endpoint: Endpoint, m, work: Work) -> None:
+        sh = self.shared
+        with sh.lock:
+            if sh.agent.on_assign(m, self.now_ms()):
+                sh.params[m.session_id] = decode_params(m.params)
+                sh.owners[m.session_id] = self.conn
+                self.asked.pop(m.session_id, None)
+
+    def on_revoke(self, endpoint: Endpoint, m, work: Work) -> None:
+        sh = self.shared
+        with sh.lock:
+            if sh.agent.on_revoke(m):
+                sh.forget(m.session_id)
+                self.asked.pop(m.session_id, None)
+
+    def on_append(self, endpoint: Endpoint, m, work: Work) -> None:
+        sh = self.shared
+        with sh.lock:
+            if sh.agent.on_append(m.session_id, m.epoch, m.command_id):
+                try:
+                    sh.contexts[m.session_id] = decode_tokens(m.blocks)
+                except PostcardError as e:
+                    raise DaemonError(f"malformed APPEND_CONTENT blocks session_id={m.session_id}: {e}") from e
+
+    def on_generate(self, endpoint: Endpoint, m: GenerateReqMsg, work: Work) -> None:
+        # With a generation already running the request is declined before the session sees
+        # it, so its command stays unconsumed.
+        if work.generation is None:
+            with self.shared.lock:
+                accepted = self.shared.agent.on_generate(m)
+        else:
+            accepted = False
+        if accepted:
+            work.generation = self.start_generation(m)
+            endpoint.poll_every(POLL_RUNNING)
+            return
+        log.warning(
+            "declining a generate (unknown session, superseded epoch, replayed command, or one "
+            "already running on this connection); reporting it rather than going silent",
+            extra=_fields(session=m.session_id, generation=m.generation_id, epoch=m.epoch),
+        )
+        declined = TokenEvent(
+            session_id=m.session_id,
+            epoch=m.epoch,
+            generation_id=m.generation_id,
+            event_seq=0,
+            payload=TokenEventPayload.Finish(reason=FINISH_DECLINED),
+        )
+        endpoint.send(msg_type.TOKEN_EVENTS, TokenEventsMsg(events=[declined]))
+
+    def on_cancel(self, endpoint: Endpoint, m, work: Work) -> None:
+        run = work.generation
+        if run is not None and (run.session_id, run.generation_id) == (m.session_id, m.generation_id):
+            run.cancelled = True
+            run.stop()
+
+    def on_stage(self, endpoint: Endpoint, m: StageForwardReqMsg, work: Work) -> None:
+        if work.stage is None:
+            work.stage = self.start_stage(m)
+            endpoint.poll_every(POLL_RUNNING)
+        else:
+            # The head waits on one stage per connection; another is answered as one the
+            # node could not run.
+            endpoint.send(msg_type.STAGE_FORWARD_RESP, StageForwardRespMsg(request_id=m.request_id))
+
+    def on_watermark_ack(self, endpoint: Endpoint, m, work: Work) -> None:
+        with self.shared.lock:
+            self.shared.agent.on_watermark_ack(m)
+
+    def on_lease_grant(self, endpoint: Endpoint, m, work: Work) -> None:
+        with self.shared.lock:
+            self.shared.agent.on_lease_grant(m, self.now_ms())
+        self.asked.pop(m.session_id, None)
+
+    _handlers = {
+        msg_type.RECONCILE: on_reconcile,
+        msg_type.SESSION_ASSIGN: on_assign,
+        msg_type.SESSION_REVOKE: on_revoke,
+        msg_type.APPEND_CONTENT: on_append,
+        msg_type.GENERATE_REQ: on_generate,
+        msg_type.GENERATE_CANCEL: on_cancel,
+        msg_type.STAGE_FORWARD_REQ: on_stage,
+        msg_type.WATERMARK_ACK: on_watermark_ack,
+        msg_type.LEASE_GRANT: on_lease_grant,
+    }
+
+    # ---- work off the connection's thread ---------------------------------------------------
+
+    def start_stage(self, m: StageForwardReqMsg) -> queue.Queue:
+        """Runs a stage forward on a thread of its own, as a generation runs, so a long one does
+        not leave the connection unread."""
+        answer: queue.Queue = queue.Queue(maxsize=1)
+        threading.Thread(
+            target=_run_stage, args=(self.daemon, m, answer), name="node-stage", daemon=True
+        ).start()
+        return answer
+
+    def hand_back_stage(self, endpoint: Endpoint, work: Work) -> None:
+        try:
+            resp = work.stage.get_nowait()
+        except queue.Empty:
+            return
+        work.stage = None
+        if resp is not None:
+            endpoint.send(msg_type.STAGE_FORWARD_RESP, resp)
+
+    def start_generation(self, req: GenerateReqMsg) -> Running:
+        """Starts `req` on a thread of its own, so this connection goes on reading the head and
+        sending status while it runs."""
+        sh = self.shared
+        with sh.lock:
+            context = list(sh.contexts.get(req.session_id, ()))
+            params = sh.params.get(req.session_id, GenParams())
+            sh.busy.start()
+            sh.runs += 1
+        run = Running(
+            session_id=req.session_id,
+            generation_id=req.generation_id,
+            max_new=min(req.budgets.max_new_tokens, U32_MAX),
+            cancel=threading.Event(),
+            out=queue.Queue(),
+            last_flush=self.now_ms(),
+        )
+        threading.Thread(
+            target=_run_generation,
+            args=(self.daemon, sh, context, params, run.max_new, req.budgets.max_wall_ms, run.cancel, run.out),
+            name="node-generation",
+            daemon=True,
+        ).start()
+        return run
+
+    def drop_generation(self, work: Work) -> None:
+        """Lets go of the connection's generation, stopping it if it still runs."""
+        if work.generation is None:
+            return
+        work.generation.stop()
+        work.generation = None
+        with self.shared.lock:
+            self.shared.runs -= 1
+
+    def forward(self, endpoint: Endpoint, run: Running, now: int) -> bool:
+        """Sends what `run` produced since the last pass, coalesced, and its finish once it ends.
+        True once it has ended, or its session was fenced and it goes silent."""
+        done: GenerationResult | DaemonError | None = None
+        while done is None:
+            try:
+                item = run.out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Out.Tokens):
+                run.pending.extend(item.tokens)
+                if len(run.pending) >= EMIT_COALESCE_TOKENS and not self.flush(endpoint, run, now):
+                    return True
+            elif isinstance(item, Out.Done):
+                done = item.generated
+            else:
+                done = GenerationError("the generation ended without a result")
+        due = done is not None or now - run.last_flush >= EMIT_COALESCE_MS
+        if due and run.pending and not self.flush(endpoint, run, now):
+            return True
+        sh = self.shared
+        with sh.lock:
+            if sh.agent.is_fenced(run.session_id) is not False:
+                return True
+            if done is None:
+                return False
+            reason = self.finish_reason(run, done)
+            batch = sh.agent.emit(run.session_id, run.generation_id, TokenEventPayload.Finish(reason=reason))
+        if batch is not None:
+            endpoint.send(msg_type.TOKEN_EVENTS, batch)
+        return True
+
+    @staticmethod
+    def finish_reason(run: Running, generated: GenerationResult | DaemonError) -> int:
+        """The reason `run` ended with; raises the daemon's error when it is not the head's."""
+        if isinstance(generated, DaemonError):
+            if not is_client_refusal(generated):
+                raise generated
+            log.warning(
+                "refusing a generation the node cannot stage; the head should have caught this "
+                "before dispatch",
+                extra=_fields(session=run.session_id, generation=run.generation_id, error=generated),
+            )
+            return FINISH_REFUSED
+        if run.cancelled:
+            return finish.CANCELLED
+        if generated.expired:
+            return FINISH_EXPIRED
+        if len(generated.tokens) >= run.max_new:
+            return finish.LENGTH
+        return finish.EOS
+
+    def flush(self, endpoint: Endpoint, run: Running, now: int) -> bool:
+        """Sends `run`'s pending tokens; False when its session is fenced, which sends nothing."""
+        run.last_flush = now
+        tokens, run.pending = run.pending, []
+        with self.shared.lock:
+            batch = self.shared.agent.emit(run.session_id, run.generation_id, TokenEventPayload.Tokens(tokens=tokens))
+        if batch is None:
+            return False
+        endpoint.send(msg_type.TOKEN_EVENTS, batch)
+        return True
+
+
+def _run_generation(daemon, shared, context, params, max_new, max_wall_ms, cancel, out) -> None:
+    """A generation's worker: each batch goes to `out`, then the result; stops at the next
+    batch once `cancel` is set."""
+
+    def on_tokens(batch: list[int]) -> bool:
+        if cancel.is_set():
+            return False
+        out.put(Out.Tokens(list(batch)))
+        return True
+
+    generated: GenerationResult | DaemonError | None = None
+    try:
+        generated = daemon.generate_tokens_streaming(context, params, max_new, max_wall_ms, GenExtras(), on_tokens)
+    except DaemonError as e:
+        generated = e
+    finally:
+        with shared.lock:
+            shared.busy.stop()
+        out.put(None if generated is None else Out.Done(generated))
+
+
+def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue) -> None:
+    """A stage forward's worker; an error is answered as a stage the node could not run."""
+    resp = None
+    try:
+        output = daemon.forward_stage(m.tokens, m.start_layer, m.end_layer, m.hidden_in)
+        if isinstance(output, StageHidden):
+            resp = StageForwardRespMsg(request_id=m.request_id, hidden=output.data, token=None)
+        elif isinstance(output, StageToken):
+            resp = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=output.token)
+    except DaemonError:
+        resp = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=None)
+    finally:
+        answer.put(resp)
+
+
+def _fields(**fields) -> dict:
+    """A log record's key=value fields, as `nodeagent.logs` prints them after the message."""
+    return {"fields": fields}
+
+
+def _decode(frame: Frame):
+    try:
+        return decode_payload(frame.msg_type, frame.payload)
+    except PostcardError as e:
+        raise LinkFError.Payload(f"message type {frame.msg_type:#06x}: {e}") from e
+
+
+def _rate(count: int, prev: int, dt_ms: int) -> int:
+    return (max(count - prev, 0) * 1000 // dt_ms) & U32_MAX
+
+
+def _smooth(prev: int, sample: int) -> int:
+    """The EWMA of the node's rates: the first sample as is, then 3/4 the old plus 1/4 the new."""
+    return sample if prev == 0 else (prev * 3 + sample) // 4
+
+
+def is_client_refusal(e: DaemonError) -> bool:
+    """An error the head caused by sending what the node cannot stage."""
+    return isinstance(e, (StreamTooLong, ConstraintError))
