@@ -1,0 +1,239 @@
+"""The node agent's side of Link F as a pure state machine: messages and the time in, verdicts
+and messages out, no sockets and no clock reads.
+
+``now`` is milliseconds on a monotonic clock of the caller's choosing (the agent's start).
+Epochs are absolute: a message from an older epoch is refused, a newer one supersedes. A
+command id is applied once; its replay is refused. A session whose lease runs out fences
+itself but keeps its state, so a reconnecting head can still reconcile it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proto.idempotency import CommandTable, LeaseClock, RetryBuffer
+from proto.linkf import (
+    GenerateReqMsg,
+    Lease,
+    LeaseGrantMsg,
+    LeaseRenewMsg,
+    LeaseStateMsg,
+    ReconcileAckMsg,
+    ReconcileMsg,
+    RetryRange,
+    SessionAssignMsg,
+    SessionReconcileAck,
+    SessionReconcileState,
+    SessionRevokeMsg,
+    TokenEvent,
+    TokenEventsMsg,
+    WatermarkAckMsg,
+)
+
+
+class AgentAction:
+    """What the agent must do that no message asked for (returned by ``AgentSession.poll``)."""
+
+
+@dataclass(frozen=True)
+class SelfFence(AgentAction):
+    """The session's lease ran out: stop serving it (its state stays for a reconcile)."""
+
+    session_id: int
+
+
+AgentAction.SelfFence = SelfFence
+
+
+@dataclass
+class _SessionCtx:
+    epoch: int
+    clock: LeaseClock
+    commands: CommandTable = field(default_factory=CommandTable)
+    fenced: bool = False
+
+
+@dataclass
+class _GenerationCtx:
+    epoch: int
+    next_seq: int = 0
+    retry: RetryBuffer = field(default_factory=RetryBuffer)
+
+
+def _clock(now: int, lease: Lease) -> LeaseClock:
+    return LeaseClock(now, lease.duration_ms, lease.renew_by_ms)
+
+
+class AgentSession:
+    """Every session and generation this node holds, across connections."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[int, _SessionCtx] = {}
+        self._generations: dict[tuple[int, int], _GenerationCtx] = {}
+
+    def on_revoke(self, msg: SessionRevokeMsg) -> bool:
+        """Forgets the session unless the revoke is from an older epoch."""
+        s = self._sessions.get(msg.session_id)
+        if s is None or msg.epoch < s.epoch:
+            return False
+        del self._sessions[msg.session_id]
+        self._drop_generations(msg.session_id, keep_from_epoch=None)
+        return True
+
+    def on_assign(self, msg: SessionAssignMsg, now: int) -> bool:
+        """Takes the session (again) at ``msg.epoch``; a newer epoch drops the older epochs'
+        generations and lifts a fence. Older epochs and replayed commands are refused."""
+        s = self._sessions.get(msg.session_id)
+        if s is None:
+            s = _SessionCtx(msg.epoch, _clock(now, msg.lease))
+            s.commands.apply(msg.command_id, tuple)
+            self._sessions[msg.session_id] = s
+            return True
+        if msg.epoch < s.epoch:
+            return False
+        if not s.commands.apply(msg.command_id, tuple)[1]:
+            return False
+        if msg.epoch > s.epoch:
+            self._drop_generations(msg.session_id, keep_from_epoch=msg.epoch)
+        s.epoch = msg.epoch
+        s.fenced = False
+        s.clock = _clock(now, msg.lease)
+        return True
+
+    def on_generate(self, msg: GenerateReqMsg) -> bool:
+        """Accepts a generation for a live session at its current epoch, once per command id.
+        A replay keeps the generation's stream where it was."""
+        s = self._live(msg.session_id, msg.epoch)
+        if s is None or not s.commands.apply(msg.command_id, tuple)[1]:
+            return False
+        self._generations.setdefault((msg.session_id, msg.generation_id), _GenerationCtx(msg.epoch))
+        return True
+
+    def on_append(self, session_id: int, epoch: int, command_id: int) -> bool:
+        """Whether an APPEND_CONTENT should replace the session's context."""
+        s = self._live(session_id, epoch)
+        return s is not None and s.commands.apply(command_id, tuple)[1]
+
+    def emit(self, session_id: int, generation_id: int, payload) -> TokenEventsMsg | None:
+        """The next event of a generation as a one-event batch, kept for retransmission; None
+        when the session is unknown or fenced, or the generation is unknown or superseded."""
+        s = self._sessions.get(session_id)
+        if s is None or s.fenced:
+            return None
+        g = self._generations.get((session_id, generation_id))
+        if g is None or g.epoch != s.epoch:
+            return None
+        event = TokenEvent(
+            session_id=session_id,
+            epoch=g.epoch,
+            generation_id=generation_id,
+            event_seq=g.next_seq,
+            payload=payload,
+        )
+        g.next_seq += 1
+        g.retry.push(event.event_seq, event)
+        return TokenEventsMsg(events=[event])
+
+    def on_watermark_ack(self, msg: WatermarkAckMsg) -> None:
+        """Drops the events the head has committed."""
+        g = self._generations.get((msg.session_id, msg.generation_id))
+        if g is not None and g.epoch == msg.epoch:
+            g.retry.ack(msg.watermark)
+
+    def needs_renew(self, now: int) -> list[LeaseRenewMsg]:
+        """A renewal for every live session past its renew-by point and not yet expired."""
+        return [
+            LeaseRenewMsg(session_id=sid, epoch=s.epoch)
+            for sid, s in sorted(self._sessions.items())
+            if not s.fenced and s.clock.must_renew(now) and not s.clock.expired(now)
+        ]
+
+    def on_lease_grant(self, msg: LeaseGrantMsg, now: int) -> None:
+        """Restarts the lease of a live session; a grant for another epoch is ignored."""
+        s = self._sessions.get(msg.session_id)
+        if s is not None and s.epoch == msg.epoch and not s.fenced:
+            s.clock = LeaseClock(now, msg.duration_ms, msg.renew_by_ms)
+
+    def poll(self, now: int) -> list[AgentAction]:
+        """Fences every session whose lease has expired, once."""
+        actions: list[AgentAction] = []
+        for sid, s in sorted(self._sessions.items()):
+            if not s.fenced and s.clock.expired(now):
+                s.fenced = True
+                actions.append(SelfFence(session_id=sid))
+        return actions
+
+    def on_reconcile(self, msg: ReconcileMsg, now: int) -> tuple[ReconcileAckMsg, list[TokenEventsMsg]]:
+        """Answers a reconnecting head: which sessions this node still holds at the head's
+        epoch, and the events past each generation's watermark, to send again."""
+        acks: list[SessionReconcileAck] = []
+        retransmissions: list[TokenEventsMsg] = []
+        for head_state in msg.sessions:
+            s = self._sessions.get(head_state.session_id)
+            if s is None:
+                acks.append(
+                    SessionReconcileAck(
+                        session_id=head_state.session_id,
+                        held=False,
+                        retry_ranges=[],
+                        lease_view=head_state.lease_state,
+                    )
+                )
+                continue
+            if head_state.epoch > s.epoch:
+                s.fenced = True
+            s.commands.trim(max(head_state.command_watermark - 1, 0))
+            held = head_state.epoch == s.epoch and not s.fenced
+            ranges = self._retransmit(head_state, retransmissions) if held else []
+            acks.append(
+                SessionReconcileAck(
+                    session_id=head_state.session_id,
+                    held=held,
+                    retry_ranges=ranges,
+                    lease_view=LeaseStateMsg(lease=Lease(duration_ms=0, renew_by_ms=0), elapsed_ms=now),
+                )
+            )
+        return ReconcileAckMsg(sessions=acks), retransmissions
+
+    def is_fenced(self, session_id: int) -> bool | None:
+        """None for a session this node does not know."""
+        s = self._sessions.get(session_id)
+        return None if s is None else s.fenced
+
+    def unacked_events(self, session_id: int, generation_id: int) -> int:
+        g = self._generations.get((session_id, generation_id))
+        return 0 if g is None else len(g.retry)
+
+    def _live(self, session_id: int, epoch: int) -> _SessionCtx | None:
+        """The session, when it is held at exactly ``epoch`` and not fenced."""
+        s = self._sessions.get(session_id)
+        if s is None or s.epoch != epoch or s.fenced:
+            return None
+        return s
+
+    def _drop_generations(self, session_id: int, keep_from_epoch: int | None) -> None:
+        """Drops the session's generations, but those at ``keep_from_epoch`` or newer."""
+        self._generations = {
+            k: g
+            for k, g in self._generations.items()
+            if k[0] != session_id or (keep_from_epoch is not None and g.epoch >= keep_from_epoch)
+        }
+
+    def _retransmit(self, head_state: SessionReconcileState, out: list[TokenEventsMsg]) -> list[RetryRange]:
+        """Appends to ``out`` the unacknowledged tail of each generation the head names."""
+        ranges: list[RetryRange] = []
+        for gw in head_state.generation_watermarks:
+            g = self._generations.get((head_state.session_id, gw.generation_id))
+            if g is None:
+                continue
+            tail = g.retry.retransmit_from(0 if gw.watermark is None else gw.watermark + 1)
+            if tail:
+                ranges.append(
+                    RetryRange(
+                        generation_id=gw.generation_id,
+                        from_seq=tail[0].event_seq,
+                        to_seq=tail[-1].event_seq,
+                    )
+                )
+                out.append(TokenEventsMsg(events=tail))
+        return ranges

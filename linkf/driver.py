@@ -1,0 +1,325 @@
+"""A framed Link F endpoint over a byte stream (TCP, Unix, or Noise over TCP): the I/O that
+runs the pure state machines of ``agent`` and ``head`` against a real peer.
+
+It numbers frames, negotiates the version in the HELLO exchange and keeps a version-3 link
+alive: a KEEPALIVE whenever nothing was sent for the heartbeat, ``TimedOut`` once the peer has
+been silent for the silence limit. A version-2 link does neither, as the Rust node it
+replaces: a v2 head does not expect them. Durations here are float seconds.
+
+One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hmac
+import select
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from proto import postcard
+from proto.envelope import EnvelopeError, Frame, FrameClass, FrameDecoder, encode_frame
+from proto.handshake import Hello, HelloAckF, LinkRole, negotiate
+from proto.linkf import is_known_type, msg_type
+
+from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
+from .secure import NoiseRole, SecureStream, key_from
+
+PROTO_VERSION = 3
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_POLL = 0.020
+_READ = 64 * 1024
+_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errno.EBADF)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """``heartbeat``: send a KEEPALIVE after this long without sending anything.
+    ``silence``: give up on a peer heard nothing from for this long; 0 = never."""
+
+    heartbeat: float
+    silence: float
+
+
+Liveness.DEFAULT = Liveness(heartbeat=5.0, silence=0.0)
+
+
+class _Plain:
+    """A connected socket as the endpoint reads and writes it, unencrypted."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self) -> bytes | None:
+        """What one read brought, or None when the peer closed."""
+        return self.sock.recv(_READ) or None
+
+
+def _peer_of(sock: socket.socket) -> str:
+    try:
+        addr = sock.getpeername()
+    except OSError:
+        return "unknown peer"
+    if isinstance(addr, tuple):
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"unix:{addr}" if addr else "unix socket"
+
+
+def _split_addr(addr: str | tuple[str, int]) -> tuple[str, int]:
+    if isinstance(addr, tuple):
+        return addr
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Endpoint:
+    def __init__(self, stream: _Plain | SecureStream, peer: str) -> None:
+        self._io = stream
+        self.peer = peer
+        self._decoder = FrameDecoder(is_known_type)
+        self._pending: deque[Frame] = deque()
+        self._seq = 1
+        self._version: int | None = None
+        self._hello_version = PROTO_VERSION
+        self._poll = DEFAULT_POLL
+        self._liveness = Liveness.DEFAULT
+        self._last_sent = self._last_heard = time.monotonic()
+        # Reads wait in poll(2), so the socket itself blocks: a long write never times out
+        # halfway through a frame.
+        stream.sock.settimeout(None)
+
+    # Construction
+
+    @classmethod
+    def from_tcp(cls, sock: socket.socket) -> Endpoint:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(_Plain(sock), _peer_of(sock))
+
+    @classmethod
+    def from_unix(cls, sock: socket.socket) -> Endpoint:
+        return cls(_Plain(sock), _peer_of(sock))
+
+    @classmethod
+    def from_tcp_secure(
+        cls, sock: socket.socket, secret: bytes, role: NoiseRole, handshake_timeout: float | None
+    ) -> Endpoint:
+        """Noise over ``sock``, keyed by ``secret``; the head is the initiator. A peer with
+        another secret is ``Unauthorized`` (the initiator sees the refusing peer hang up:
+        ``Closed``); no handshake within ``handshake_timeout`` (None or 0: no limit) is
+        ``TimedOut``. ``sock`` is closed when the handshake fails."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = _peer_of(sock)
+        return cls(SecureStream.handshake(sock, key_from(secret), role, handshake_timeout, peer), peer)
+
+    @classmethod
+    def connect_tcp(cls, addr: str | tuple[str, int], timeout: float | None) -> Endpoint:
+        """Dials ``addr`` (``"host:port"`` or a tuple) within ``timeout`` seconds."""
+        return cls.from_tcp(_dial(addr, timeout))
+
+    @classmethod
+    def connect_tcp_secure(
+        cls, addr: str | tuple[str, int], secret: bytes, timeout: float | None, handshake_timeout: float | None
+    ) -> Endpoint:
+        """Dials ``addr`` and runs Noise as the initiator, as a head does."""
+        return cls.from_tcp_secure(_dial(addr, timeout), secret, NoiseRole.Initiator, handshake_timeout)
+
+    # Settings
+
+    def version(self) -> int:
+        """The negotiated version; before the handshake, the one HELLO goes out with."""
+        return self._hello_version if self._version is None else self._version
+
+    def poll_every(self, seconds: float) -> None:
+        """How long one ``pump`` waits for bytes."""
+        if seconds <= 0:
+            raise ValueError(f"poll interval must be positive, got {seconds}")
+        self._poll = seconds
+
+    def keep_alive(self, liveness: Liveness) -> None:
+        self._liveness = liveness
+
+    def quiet_for(self) -> float:
+        """Seconds since anything was received."""
+        return time.monotonic() - self._last_heard
+
+    # Frames
+
+    def send(self, msg_type_: int, msg: object = None) -> None:
+        """Sends ``msg`` (a postcard struct; None for an empty payload) as the next frame."""
+        try:
+            payload = b"" if msg is None else postcard.to_bytes(msg)
+        except postcard.PostcardError as e:
+            raise Payload(f"cannot encode 0x{msg_type_:04x}: {e}", peer=self.peer) from e
+        frame = Frame(self.version(), msg_type_, self._seq, 0, FrameClass.for_type(msg_type_), payload)
+        try:
+            data = encode_frame(frame)
+        except EnvelopeError as e:
+            raise Envelope(str(e), peer=self.peer) from e
+        try:
+            self._io.sendall(data)
+        except OSError as e:
+            raise self._io_error("sending", e) from e
+        self._seq += 1
+        self._last_sent = time.monotonic()
+
+    def pump(self) -> list[Frame]:
+        """One read, waiting at most the poll interval, then every complete frame. Sends a
+        heartbeat when one is due and, on a version-3 link, fails with ``TimedOut`` once the
+        peer has been silent too long."""
+        if self._pending:
+            frames = list(self._pending)
+            self._pending.clear()
+            return frames
+        self._beat()
+        self._read(self._poll)
+        frames = self._decode()
+        silence = self._liveness.silence
+        if not frames and self._v3() and silence > 0 and self.quiet_for() >= silence:
+            raise TimedOut(f"nothing heard for {self.quiet_for():.1f} s", peer=self.peer)
+        return frames
+
+    def wait_frames(self) -> list[Frame]:
+        """Blocks until at least one frame arrives."""
+        while True:
+            frames = self.pump()
+            if frames:
+                return frames
+
+    # Handshake
+
+    def hello_as_head(
+        self,
+        auth: bytes,
+        timeout: float | None = None,
+        versions: tuple[int, int] = SUPPORTED_VERSIONS,
+        role: LinkRole = LinkRole.HeadDaemon,
+    ) -> HelloAckF:
+        """Sends HELLO offering ``versions`` and returns the node's HELLO_ACK_F; the link then
+        runs at the version the node chose. ``timeout`` None waits forever."""
+        deadline = _deadline(timeout)
+        self._hello_version = versions[1]
+        self.send(msg_type.HELLO, Hello(proto_versions=tuple(versions), link_role=role, auth=bytes(auth)))
+        ack = self._decode_payload(HelloAckF, self._first(msg_type.HELLO_ACK_F, "expected HelloAckF", deadline))
+        if not versions[0] <= ack.chosen_version <= versions[1]:
+            raise Protocol("peer chose a version that was not offered", peer=self.peer)
+        self._version = ack.chosen_version
+        return ack
+
+    def answer_hello_as_agent(self, ack: HelloAckF, expected_auth: bytes, timeout: float | None = None) -> None:
+        """Waits for the head's HELLO, checks it (a common version, the head's role, the
+        fleet token when ``expected_auth`` is non-empty) and answers ``ack`` carrying the
+        negotiated version. ``timeout`` None waits forever."""
+        frame = self._first(msg_type.HELLO, "expected Hello", _deadline(timeout))
+        hello = self._decode_payload(Hello, frame)
+        version = negotiate(tuple(hello.proto_versions), SUPPORTED_VERSIONS)
+        if version is None:
+            raise Protocol("no common proto version", peer=self.peer)
+        if hello.link_role != LinkRole.HeadDaemon:
+            raise Protocol("peer is not a head daemon", peer=self.peer)
+        if expected_auth and not hmac.compare_digest(bytes(hello.auth), bytes(expected_auth)):
+            raise Unauthorized("its HELLO carries another fleet token", peer=self.peer)
+        self._version = version
+        self.send(msg_type.HELLO_ACK_F, dataclasses.replace(ack, chosen_version=version))
+
+    # Teardown
+
+    def shutdown(self) -> None:
+        """Ends the connection both ways; a ``pump`` blocked on another thread then raises
+        ``Closed``. Safe to call more than once."""
+        try:
+            self._io.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._io.sock.close()
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Internals
+
+    def _v3(self) -> bool:
+        return self._version is not None and self._version >= 3
+
+    def _beat(self) -> None:
+        heartbeat = self._liveness.heartbeat
+        if self._v3() and heartbeat > 0 and time.monotonic() - self._last_sent >= heartbeat:
+            self.send(msg_type.KEEPALIVE)
+
+    def _read(self, timeout: float) -> None:
+        """Feeds the decoder what one read brings within ``timeout``."""
+        try:
+            poller = select.poll()
+            poller.register(self._io.sock, select.POLLIN)
+            if not poller.poll(max(int(timeout * 1000), 1)):
+                return
+            data = self._io.recv()
+        except (OSError, ValueError) as e:
+            raise self._io_error("receiving", e) from e
+        if data is None:
+            raise Closed(peer=self.peer)
+        self._last_heard = time.monotonic()
+        self._decoder.feed(data)
+
+    def _decode(self) -> list[Frame]:
+        frames = []
+        try:
+            while (frame := self._decoder.decode_next()) is not None:
+                frames.append(frame)
+        except EnvelopeError as e:
+            raise Envelope(str(e), peer=self.peer) from e
+        return frames
+
+    def _first(self, wanted: int, reason: str, deadline: float | None) -> Frame:
+        """The first frame that is not droppable, which must be of type ``wanted``; the frames
+        after it wait for the next ``pump``."""
+        while True:
+            frames = deque(self.pump())
+            while frames:
+                frame = frames.popleft()
+                if frame.class_ == FrameClass.DROPPABLE:
+                    continue
+                if frame.msg_type != wanted:
+                    raise Protocol(reason, peer=self.peer)
+                self._pending.extend(frames)
+                return frame
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimedOut(f"no answer to the handshake ({reason})", peer=self.peer)
+
+    def _decode_payload(self, cls: type, frame: Frame) -> object:
+        try:
+            return postcard.from_bytes(cls, frame.payload)
+        except postcard.PostcardError as e:
+            raise Payload(str(e), peer=self.peer) from e
+
+    def _io_error(self, doing: str, e: Exception) -> LinkFError:
+        if isinstance(e, ValueError) or getattr(e, "errno", None) in _GONE:
+            return Closed(f"while {doing}", peer=self.peer)
+        return Io(f"{doing}: {e}", peer=self.peer)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _dial(addr: str | tuple[str, int], timeout: float | None) -> socket.socket:
+    target = _split_addr(addr)
+    try:
+        sock = socket.create_connection(target, timeout)
+    except TimeoutError as e:
+        raise TimedOut(f"connecting to {target[0]}:{target[1]}") from e
+    except OSError as e:
+        raise Io(f"connecting to {target[0]}:{target[1]}: {e}") from e
+    sock.settimeout(None)
+    return sock

@@ -1,0 +1,416 @@
+"""linkf.driver.Endpoint over socketpairs and loopback TCP: the handshake, versions, liveness,
+and Noise. Every blocking step has a timeout, so a bug fails instead of hanging."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from linkf import Endpoint, LinkFError, Liveness, NoiseRole
+from proto import postcard
+from proto.envelope import FrameClass
+from proto.handshake import CapacitySummary, Hello, HelloAckF, LinkFLimits, LinkRole
+from proto.linkf import LeaseRenewMsg, TelemetryMsg, msg_type
+
+TIMEOUT = 5.0
+
+
+def run(fn):
+    """Runs ``fn`` on a thread; the returned ``result()`` re-raises what it raised."""
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+
+    def result():
+        t.join(TIMEOUT)
+        assert not t.is_alive(), "the other side hung"
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    return result
+
+
+def ackf(identity="node"):
+    return HelloAckF(
+        chosen_version=0,
+        node_identity=identity,
+        capacity=CapacitySummary(max_context_tokens=4096),
+        loadable_models=["mock"],
+        limits=LinkFLimits(max_frame=16 << 20, transfer_window=8, max_transfer=1 << 26, transfer_budget=1 << 28),
+    )
+
+
+def unix_pair():
+    a, b = socket.socketpair()
+    return Endpoint.from_unix(a), Endpoint.from_unix(b)
+
+
+def tcp_pair():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        accepted = run(lambda: listener.accept()[0])
+        head = Endpoint.connect_tcp(listener.getsockname(), TIMEOUT)
+        node = Endpoint.from_tcp(accepted())
+    return head, node
+
+
+def handshake(head, node, versions=(2, 3), auth=b"", expected=b""):
+    served = run(lambda: node.answer_hello_as_agent(ackf(), expected, TIMEOUT))
+    ack = head.hello_as_head(auth, TIMEOUT, versions)
+    served()
+    return ack
+
+
+def frames_until(ep, wanted, seconds=TIMEOUT):
+    """Pumps ``ep`` until a frame of type ``wanted`` arrives; every frame seen, in order."""
+    deadline = time.monotonic() + seconds
+    seen = []
+    while time.monotonic() < deadline:
+        seen += ep.pump()
+        if any(f.msg_type == wanted for f in seen):
+            return seen
+    raise AssertionError(f"no 0x{wanted:04x} within {seconds} s; saw {[hex(f.msg_type) for f in seen]}")
+
+
+@pytest.mark.parametrize("make", [unix_pair, tcp_pair], ids=["unix", "tcp"])
+def test_hello_both_ways_then_frames_carry_seq_and_version(make):
+    head, node = make()
+    ack = handshake(head, node)
+    assert ack.node_identity == "node"
+    assert ack.chosen_version == 3
+    assert head.version() == node.version() == 3
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=7, epoch=2))
+    (frame,) = frames_until(node, msg_type.LEASE_RENEW)
+    assert (frame.seq, frame.proto_version, frame.correlation_id) == (2, 3, 0), "HELLO was seq 1"
+    assert postcard.from_bytes(LeaseRenewMsg, frame.payload) == LeaseRenewMsg(session_id=7, epoch=2)
+    node.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"x"))
+    (frame,) = frames_until(head, msg_type.TELEMETRY)
+    assert frame.seq == 2 and frame.class_ == FrameClass.DROPPABLE
+    assert "unix" in node.peer or "127.0.0.1:" in node.peer
+
+
+@pytest.mark.parametrize("versions, chosen", [((2, 2), 2), ((2, 3), 3), ((3, 9), 3), ((1, 2), 2)])
+def test_versions_negotiate_to_the_highest_common(versions, chosen):
+    head, node = unix_pair()
+    raw = []
+    node_recv = node._io.recv
+    node._io.recv = lambda: raw.append(node_recv()) or raw[-1]
+    assert handshake(head, node, versions).chosen_version == chosen
+    assert head.version() == node.version() == chosen
+    assert int.from_bytes(raw[0][4:6], "little") == versions[1], "HELLO goes out at the head's highest"
+
+
+def refused(versions=(2, 3), role=LinkRole.HeadDaemon, auth=b"", expected=b""):
+    """The node's error and what the head saw, for a HELLO the node refuses."""
+    head, node = unix_pair()
+
+    def serve():
+        try:
+            node.answer_hello_as_agent(ackf(), expected, TIMEOUT)
+        finally:
+            node.close()
+
+    served = run(serve)
+    with pytest.raises(LinkFError.Closed):
+        head.hello_as_head(auth, TIMEOUT, versions, role)
+    with pytest.raises(LinkFError) as err:
+        served()
+    return err.value
+
+
+def test_no_common_version_is_refused():
+    err = refused(versions=(4, 5))
+    assert isinstance(err, LinkFError.Protocol) and err.reason == "no common proto version"
+
+
+@pytest.mark.parametrize("role", [LinkRole.NodeAgent, LinkRole.Worker])
+def test_a_peer_that_is_not_a_head_is_refused(role):
+    err = refused(role=role)
+    assert isinstance(err, LinkFError.Protocol) and err.reason == "peer is not a head daemon"
+
+
+def test_the_version_is_checked_before_the_role():
+    err = refused(versions=(4, 5), role=LinkRole.Worker)
+    assert err.reason == "no common proto version"
+
+
+def test_wrong_auth_is_unauthorized_and_the_right_one_served():
+    err = refused(auth=b"other", expected=b"token")
+    assert isinstance(err, LinkFError.Unauthorized)
+    assert "unix" in str(err)
+    assert isinstance(refused(auth=b"", expected=b"token"), LinkFError.Unauthorized)
+    head, node = unix_pair()
+    assert handshake(head, node, auth=b"token", expected=b"token").node_identity == "node"
+
+
+def test_a_node_without_a_token_takes_any_auth():
+    head, node = unix_pair()
+    assert handshake(head, node, auth=b"whatever").chosen_version == 3
+
+
+def test_a_silent_head_times_the_hello_out():
+    _head, node = unix_pair()
+    t0 = time.monotonic()
+    with pytest.raises(LinkFError.TimedOut):
+        node.answer_hello_as_agent(ackf(), b"", 0.2)
+    assert 0.2 <= time.monotonic() - t0 < 2
+
+
+def test_a_frame_other_than_hello_first_is_a_protocol_error():
+    head, node = unix_pair()
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg())
+    with pytest.raises(LinkFError.Protocol, match="expected Hello"):
+        node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
+
+
+def test_a_hello_that_does_not_decode_is_a_payload_error():
+    head, node = unix_pair()
+    head.send(msg_type.HELLO, TelemetryMsg(spans=b"\x07\x07\x07"))
+    with pytest.raises(LinkFError.Payload):
+        node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
+
+
+def test_frames_that_follow_the_hello_in_the_same_read_are_kept():
+    head, node = unix_pair()
+    head.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"before"))
+    head.send(msg_type.HELLO, Hello(proto_versions=(2, 3), link_role=LinkRole.HeadDaemon))
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))
+    time.sleep(0.05)
+    node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
+    frames = frames_until(node, msg_type.LEASE_RENEW)
+    assert [f.msg_type for f in frames] == [msg_type.LEASE_RENEW]
+
+
+def beats(ep, seconds):
+    """Arrival times of the KEEPALIVEs ``ep`` receives over ``seconds``; other frames too."""
+    times, others = [], []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for f in ep.pump():
+            (times if f.msg_type == msg_type.KEEPALIVE else others).append(time.monotonic())
+    return times, others
+
+
+def idle_node(node, seconds):
+    """Pumps ``node`` for ``seconds`` on a thread (as the serve loop does)."""
+
+    def loop():
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            node.pump()
+
+    return run(loop)
+
+
+def test_heartbeats_appear_on_an_idle_v3_link_never_more_often_than_the_heartbeat():
+    head, node = unix_pair()
+    handshake(head, node)
+    node.keep_alive(Liveness(heartbeat=0.1, silence=0))
+    done = idle_node(node, 0.65)
+    times, _ = beats(head, 0.7)
+    done()
+    assert 4 <= len(times) <= 7, times
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert min(gaps) >= 0.1 - 0.03, gaps
+
+
+def test_no_heartbeat_while_other_frames_flow():
+    head, node = unix_pair()
+    handshake(head, node)
+    node.keep_alive(Liveness(heartbeat=0.1, silence=0))
+
+    def busy():
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            node.send(msg_type.TELEMETRY, TelemetryMsg())
+            node.pump()
+            time.sleep(0.02)
+
+    done = run(busy)
+    times, others = beats(head, 0.55)
+    done()
+    assert times == [] and len(others) > 10
+
+
+def test_a_v2_link_sends_no_heartbeat_and_never_times_out():
+    head, node = unix_pair()
+    handshake(head, node, versions=(2, 2))
+    node.keep_alive(Liveness(heartbeat=0.05, silence=0.15))
+    done = idle_node(node, 0.4)
+    times, others = beats(head, 0.45)
+    done()  # raises if the node timed out
+    assert times == [] and others == []
+
+
+def test_silence_times_a_v3_link_out():
+    head, node = unix_pair()
+    handshake(head, node)
+    node.keep_alive(Liveness(heartbeat=10, silence=0.3))
+    t0 = time.monotonic()
+    with pytest.raises(LinkFError.TimedOut) as err:
+        while time.monotonic() - t0 < TIMEOUT:
+            node.pump()
+    assert 0.3 <= time.monotonic() - t0 < 1.5
+    assert node.quiet_for() >= 0.3
+    assert "nothing heard" in str(err.value)
+
+
+def test_heartbeats_keep_a_v3_link_alive():
+    head, node = unix_pair()
+    handshake(head, node)
+    head.keep_alive(Liveness(heartbeat=0.05, silence=0))
+    node.keep_alive(Liveness(heartbeat=10, silence=0.2))
+    done = run(lambda: beats(head, 0.6))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        node.pump()
+    assert node.quiet_for() < 0.2
+    done()
+
+
+def test_peer_closing_is_closed_and_garbage_is_an_envelope_error():
+    head, node = unix_pair()
+    head.close()
+    with pytest.raises(LinkFError.Closed):
+        node.wait_frames()
+    a, b = socket.socketpair()
+    node = Endpoint.from_unix(b)
+    a.sendall(b"\x01\x00\x00\x00" + bytes(30))
+    with pytest.raises(LinkFError.Envelope):
+        node.wait_frames()
+
+
+def test_shutdown_from_another_thread_unblocks_wait_frames():
+    head, node = unix_pair()
+    waiting = run(node.wait_frames)
+    time.sleep(0.1)
+    node.shutdown()
+    with pytest.raises(LinkFError.Closed):
+        waiting()
+    node.shutdown()
+
+
+def test_connect_tcp_to_nothing_is_an_error():
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        addr = s.getsockname()
+    with pytest.raises(LinkFError.Io):
+        Endpoint.connect_tcp(f"{addr[0]}:{addr[1]}", TIMEOUT)
+
+
+# Noise
+
+
+def secure_node(listener, secret, serve=True, handshake_timeout=TIMEOUT):
+    """Accepts one connection as a Noise responder and answers its HELLO."""
+
+    def accept():
+        sock, _ = listener.accept()
+        node = Endpoint.from_tcp_secure(sock, secret, NoiseRole.Responder, handshake_timeout)
+        if serve:
+            node.answer_hello_as_agent(ackf("secure-node"), secret, TIMEOUT)
+        return node
+
+    return run(accept)
+
+
+def test_the_right_token_is_served_and_another_refused():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        addr = listener.getsockname()
+        node = secure_node(listener, b"token")
+        head = Endpoint.connect_tcp_secure(addr, b"token", TIMEOUT, TIMEOUT)
+        assert head.hello_as_head(b"token", TIMEOUT).node_identity == "secure-node"
+        node()
+
+        node = secure_node(listener, b"token")
+        with pytest.raises(LinkFError.Closed):
+            Endpoint.connect_tcp_secure(addr, b"other", TIMEOUT, TIMEOUT)
+        with pytest.raises(LinkFError.Unauthorized) as err:
+            node()
+        assert "127.0.0.1:" in str(err.value)
+
+
+def tcp_relay(target):
+    """A loopback listener that forwards to ``target`` and keeps every byte it carries."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(TIMEOUT)
+    wire = bytearray()
+
+    def copy(src, dst):
+        src.settimeout(TIMEOUT)
+        try:
+            while data := src.recv(1 << 16):
+                wire.extend(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def serve():
+        with listener:
+            inside, _ = listener.accept()
+        outside = socket.create_connection(target, TIMEOUT)
+        for src, dst in ((inside, outside), (outside, inside)):
+            threading.Thread(target=copy, args=(src, dst), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname(), wire
+
+
+def test_the_plaintext_never_crosses_the_wire_and_a_1mib_frame_does_intact():
+    marker = b"PLAINTEXT-MARKER-7f3a"
+    big = bytes((i * 7919) % 256 for i in range(1 << 20))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        node = secure_node(listener, b"token")
+        addr, wire = tcp_relay(listener.getsockname())
+        head = Endpoint.connect_tcp_secure(addr, b"token", TIMEOUT, TIMEOUT)
+        head.hello_as_head(b"token", TIMEOUT)
+        node = node()
+        head.send(msg_type.TELEMETRY, TelemetryMsg(spans=marker))
+        sent = run(lambda: head.send(msg_type.TELEMETRY, TelemetryMsg(spans=big)))
+        frames = []
+        while len(frames) < 2:
+            frames += frames_until(node, msg_type.TELEMETRY)
+        sent()
+        got = [postcard.from_bytes(TelemetryMsg, f.payload).spans for f in frames]
+        assert got == [marker, big]
+    assert len(wire) > len(big)
+    assert marker not in wire
+    assert b"token" not in wire
+    assert big[:4096] not in wire
+
+
+def test_a_plain_peer_cannot_talk_to_a_secure_node():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        node = secure_node(listener, b"token", serve=False, handshake_timeout=0.3)
+        head = Endpoint.connect_tcp(listener.getsockname(), TIMEOUT)
+        # Its frame's length prefix reads as a Noise message far longer than it sends.
+        head.send(msg_type.HELLO, Hello(proto_versions=(2, 3), link_role=LinkRole.HeadDaemon, auth=b"token"))
+        with pytest.raises(LinkFError.TimedOut):
+            node()
+
+
+def test_a_silent_peer_times_the_noise_handshake_out():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        dialled = socket.create_connection(listener.getsockname(), TIMEOUT)
+        accepted, _ = listener.accept()
+        with pytest.raises(LinkFError.TimedOut):
+            Endpoint.from_tcp_secure(accepted, b"token", NoiseRole.Responder, 0.2)
+        assert accepted.fileno() == -1, "a failed handshake keeps its socket open"
+        dialled.close()
+
