@@ -1,0 +1,66 @@
+"""A paged KV cache: per layer, a flat array of token slots grouped in 16-token blocks.
+
+A generation owns a list of blocks; its position p lives in slot `block[p // 16] * 16 + p % 16`.
+One extra block past the end is scratch: padded query positions write there and padded key
+positions read from there, so a batch never needs a branch for ragged lanes. Only the scheduler
+thread allocates and releases.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_TOKENS = 16
+
+
+def blocks_for(n_tokens: int) -> int:
+    return -(-n_tokens // BLOCK_TOKENS)
+
+
+def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V for 16 tokens across every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * n_layers * n_kv_heads * head_dim * BLOCK_TOKENS * itemsize
+
+
+class KVPool:
+    """The K/V storage and its free list."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        if n_blocks < 1:
+            raise ValueError("a KV pool needs at least one block")
+        slots = (n_blocks + 1) * BLOCK_TOKENS
+        self.k = torch.zeros(n_layers, slots, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.total = n_blocks
+        self.scratch_slot = n_blocks * BLOCK_TOKENS
+        self._free = list(range(n_blocks - 1, -1, -1))
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self._free)
+
+    def allocate(self, n_blocks: int) -> list[int] | None:
+        """`n_blocks` blocks, or None (and nothing taken) when too few are free."""
+        if n_blocks > len(self._free):
+            return None
+        taken = self._free[-n_blocks:] if n_blocks else []
+        del self._free[len(self._free) - n_blocks :]
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+    def slots(self, blocks: list[int], n_tokens: int) -> torch.Tensor:
+        """The slot of each position 0..n_tokens-1 for a generation owning `blocks` (CPU)."""
+        ids = torch.tensor(blocks, dtype=torch.long)
+        offsets = torch.arange(BLOCK_TOKENS, dtype=torch.long)
+        return (ids[:, None] * BLOCK_TOKENS + offsets).flatten()[:n_tokens]

@@ -1,0 +1,207 @@
+"""Hugging Face checkpoint directories: `config.json` and `*.safetensors`, sharded or not.
+
+Every failure becomes a ModelLoadError that names the file, key or tensor at fault, since the
+operator sees only that line before the node exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nodeagent.engine import ModelLoadError
+from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.rope import RopeScalingError, inv_frequencies
+
+INDEX_FILE = "model.safetensors.index.json"
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """Read the checkpoint at `path` onto `device`; raises ModelLoadError on any problem."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(f"model directory {str(directory)!r} does not exist")
+    raw = _read_json(directory / "config.json")
+    config = config_from_hf(raw, _generation_eos(directory))
+    source = SafetensorsSource(directory)
+    try:
+        return LlamaModel.from_source(config, source, dtype, device)
+    finally:
+        source.close()
+
+
+def config_from_hf(raw: dict, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+    """The engine's config from a Hugging Face `config.json` (Llama, Qwen2, Mistral names)."""
+    missing = [key for key in REQUIRED_KEYS if key not in raw]
+    if missing:
+        raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
+    rope = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    n_heads = int(raw["num_attention_heads"])
+    head_dim = raw.get("head_dim") or int(raw["hidden_size"]) // n_heads
+    config = ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        n_layers=int(raw["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=tuple(sorted(set(_ids(raw.get("eos_token_id"))) | set(extra_eos))),
+    )
+    _check_config(config)
+    return config
+
+
+def _check_config(c: ModelConfig) -> None:
+    if c.n_heads % c.n_kv_heads:
+        raise ModelLoadError(
+            f"config.json: num_attention_heads {c.n_heads} is not a multiple of "
+            f"num_key_value_heads {c.n_kv_heads}"
+        )
+    try:
+        inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+    except RopeScalingError as e:
+        raise ModelLoadError(f"config.json: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"config.json: rope_scaling {c.rope_scaling!r} is incomplete: {e!r}") from None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _generation_eos(directory: Path) -> tuple[int, ...]:
+    """End tokens from `generation_config.json`, which chat checkpoints often widen."""
+    path = directory / "generation_config.json"
+    if not path.exists():
+        return ()
+    return tuple(_ids(_read_json(path).get("eos_token_id")))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return value
+
+
+class SafetensorsSource:
+    """The tensors of a checkpoint directory, opened lazily and read one by one."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._where = self._tensor_files(directory)
+        self._open: dict[str, object] = {}
+        self._progress = Progress(len(self._where))
+
+    @staticmethod
+    def _tensor_files(directory: Path) -> dict[str, str]:
+        index = directory / INDEX_FILE
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelLoadError(f"{index} has no weight_map")
+            return {str(k): str(v) for k, v in weight_map.items()}
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"no *.safetensors files in {directory}")
+        where = {}
+        for file in files:
+            for name in _open_file(file).keys():
+                where[name] = file.name
+        return where
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelLoadError(f"checkpoint {self.directory} lacks tensor {name!r}")
+        handle = self._handle(self._where[name])
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise ModelLoadError(f"tensor {name!r} in {self._where[name]} cannot be read: {e}") from None
+        if tuple(tensor.shape) != tuple(shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
+            )
+        self._progress.step()
+        return tensor
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            self._open[file] = _open_file(self.directory / file)
+        return self._open[file]
+
+    def close(self) -> None:
+        self._open.clear()
+        self._progress.done()
+
+
+def _open_file(path: Path):
+    if not path.exists():
+        raise ModelLoadError(f"checkpoint file {path} is missing")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # a truncated or foreign file
+        raise ModelLoadError(f"checkpoint file {path} cannot be read: {e}") from None
+
+
+class Progress:
+    """Loading progress on stderr, shown only once loading has taken more than a moment."""
+
+    QUIET_FOR_S = 1.0
+    EVERY_S = 0.5
+
+    def __init__(self, total: int):
+        self.total = total
+        self.count = 0
+        self.started = time.monotonic()
+        self.last_shown = 0.0
+        self.shown = False
+
+    def step(self) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.started < self.QUIET_FOR_S or now - self.last_shown < self.EVERY_S:
+            return
+        self.last_shown, self.shown = now, True
+        percent = 100 * self.count // max(self.total, 1)
+        print(f"superfluid-noded: loading model: {percent}% ({self.count}/{self.total} tensors)",
+              file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.shown:
+            elapsed = time.monotonic() - self.started
+            print(f"superfluid-noded: loaded {self.count} tensors in {elapsed:.1f} s",
+                  file=sys.stderr, flush=True)

@@ -1,0 +1,281 @@
+"""`TorchDaemon`: the Daemon interface over a Llama-family model, a KV pool and a scheduler.
+
+The caller's thread validates, submits a `Generation`, then blocks reading its queue and calls
+`on_tokens` itself, so a slow callback never holds up the batch. Stage forwards need no cache
+and read only the weights, so they run on the caller's thread too, alongside the scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from nodeagent import finish
+from nodeagent.daemon import (
+    QOS_CLASSES,
+    Daemon,
+    GenerationError,
+    GenerationResult,
+    GenExtras,
+    OnTokens,
+    SchedStats,
+    StageError,
+    StageHidden,
+    StageOutput,
+    StageToken,
+    StreamTooLong,
+)
+from nodeagent.engine import ModelLoadError
+from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
+from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
+from nodeagent.engine.loader import load_model
+from nodeagent.engine.model import LlamaModel
+from nodeagent.engine.sampling import LaneSampler
+from nodeagent.engine.scheduler import END, ERROR, TOKEN, Generation, Scheduler
+from nodeagent.wal import GenParams
+
+CPU_KV_BUDGET_MB = 256
+CUDA_KV_SHARE = 0.6  # of the device memory still free once the weights are in
+MIN_CONTEXT = 512
+
+
+class TorchDaemon(Daemon):
+    """The real engine: continuous batching over a paged KV pool."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        name: str,
+        *,
+        max_batch: int = 8,
+        max_context: int | None = None,
+        kv_blocks: int | None = None,
+        prefill_chunk: int = 512,
+    ):
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.model = model
+        self._name = name
+        self.max_batch = max_batch
+        if kv_blocks is None:
+            kv_blocks = _blocks_in(CPU_KV_BUDGET_MB * 2**20, model)
+        self.context = _context_window(model.config.max_position_embeddings, max_context, kv_blocks)
+        model.set_context(self.context)
+        pool = KVPool(
+            model.config.n_layers,
+            model.config.n_kv_heads,
+            model.config.head_dim,
+            max(kv_blocks, blocks_for(self.context)),
+            model.dtype,
+            model.device,
+        )
+        self._scheduler = Scheduler(model, pool, max_batch, self.context, prefill_chunk)
+
+    @classmethod
+    def load(
+        cls,
+        model: str,
+        *,
+        device: str = "auto",
+        max_batch: int = 8,
+        max_context: int | None = None,
+        kv_budget_mb: int | None = None,
+    ) -> "TorchDaemon":
+        """Open `model` ("builtin" or a checkpoint directory); raises ModelLoadError."""
+        dev = _resolve_device(device)
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        try:
+            if model == BUILTIN_NAME:
+                loaded, name = builtin_model(dtype, dev), BUILTIN_NAME
+            else:
+                loaded, name = load_model(model, dtype, dev), os.path.basename(os.path.normpath(model))
+            blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
+            return cls(loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # out of memory, a tensor torch cannot convert, ...
+            raise ModelLoadError(f"cannot load model {model!r}: {e}") from e
+
+    # -- generations ---------------------------------------------------------------------------
+
+    def generate_tokens_streaming(
+        self,
+        stream: Sequence[int],
+        params: GenParams,
+        max_tokens: int,
+        deadline_ms: int,
+        extras: GenExtras,
+        on_tokens: OnTokens,
+    ) -> GenerationResult:
+        started = time.monotonic()
+        stream = list(stream)
+        self._check_stream(stream)
+        if max_tokens <= 0:
+            return GenerationResult([], finish.LENGTH)
+        deadline = started + deadline_ms / 1000 if deadline_ms > 0 else None
+        gen = Generation(
+            stream,
+            budget=min(max_tokens, self.context - len(stream) + 1),
+            deadline=deadline,
+            qos=min(max(extras.qos_class, 0), QOS_CLASSES - 1),
+            sampler=LaneSampler(params, self.model.device),
+        )
+        self._scheduler.submit(gen)
+        try:
+            return _follow(gen, on_tokens)
+        finally:
+            self._scheduler.cancel(gen)
+
+    def _check_stream(self, stream: list[int]) -> None:
+        if not stream:
+            raise GenerationError("session has no content to generate from")
+        if len(stream) > self.context:
+            raise StreamTooLong(self.context, len(stream))
+        vocab = self.model.config.vocab_size
+        if min(stream) < 0 or max(stream) >= vocab:
+            raise GenerationError(f"the stream holds a token outside the vocabulary of {vocab}")
+
+    # -- stage forwards ------------------------------------------------------------------------
+
+    def forward_stage(
+        self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None
+    ) -> StageOutput:
+        n_layers = self.model.config.n_layers
+        if not 0 <= start_layer <= end_layer <= n_layers:
+            raise StageError(
+                f"layer range [{start_layer}, {end_layer}) is not within the model's {n_layers} layers"
+            )
+        with torch.inference_mode():
+            x = self._stage_input(tokens, start_layer, hidden_in)
+            x = self.model.run_causal(x, start_layer, end_layer)
+            if end_layer == n_layers:
+                return StageToken(int(self.model.logits(x[0, -1]).argmax()))
+            return StageHidden(x[0].float().cpu().numpy().astype("<f4").tobytes())
+
+    def _stage_input(self, tokens: Sequence[int], start: int, hidden_in: bytes | None) -> torch.Tensor:
+        """The stage's input hidden state [1,N,D]: embedded tokens, or decoded wire bytes."""
+        hidden = self.model.config.hidden_size
+        if hidden_in is not None:
+            row_bytes = 4 * hidden
+            if not hidden_in or len(hidden_in) % row_bytes:
+                raise StageError(
+                    f"hidden state of {len(hidden_in)} bytes is not a whole number of "
+                    f"{row_bytes}-byte rows (float32 x {hidden})"
+                )
+            self._check_positions(len(hidden_in) // row_bytes)
+            rows = np.frombuffer(hidden_in, dtype="<f4").reshape(1, -1, hidden)
+            return torch.from_numpy(rows.copy()).to(dtype=self.model.dtype, device=self.model.device)
+        if not tokens:
+            raise StageError("stage forward with neither tokens nor a hidden state")
+        if start != 0:
+            raise StageError(f"a stage starting at layer {start} needs the previous stage's hidden state")
+        self._check_positions(len(tokens))
+        vocab = self.model.config.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise StageError(f"stage tokens must lie in 0..{vocab - 1}")
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
+        return self.model.embed(ids)
+
+    def _check_positions(self, n: int) -> None:
+        if n > self.context:
+            raise StageError(f"stage input of {n} positions exceeds the context window of {self.context}")
+
+    # -- the rest of the interface -------------------------------------------------------------
+
+    def max_stream_tokens(self) -> int:
+        return self.context
+
+    def sched_stats(self) -> SchedStats:
+        return self._scheduler.stats()
+
+    @property
+    def model_name(self) -> str:
+        return self._name
+
+    def summary(self) -> str:
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            self.model.dtype, str(self.model.dtype)
+        )
+        return (
+            f"runtime torch ({self._name}, {self.model.device.type} {dtype}), context window "
+            f"{self.context} tokens, {self.max_batch} lanes, kv pool "
+            f"{self._scheduler.pool.total} blocks"
+        )
+
+    def close(self) -> None:
+        self._scheduler.close()
+
+
+def _follow(gen: Generation, on_tokens: OnTokens) -> GenerationResult:
+    """Hand `gen`'s tokens to `on_tokens` in batches until it ends, is cancelled or expires."""
+    produced: list[int] = []
+    while True:
+        timeout = None if gen.deadline is None else gen.deadline - time.monotonic()
+        try:
+            if timeout is not None and timeout <= 0:
+                raise queue.Empty
+            message = gen.out.get(timeout=timeout)
+        except queue.Empty:
+            return GenerationResult([], finish.NONE, expired=True)
+        batch, end = _drain(gen.out, message)
+        if batch:
+            produced.extend(batch)
+            if not on_tokens(batch):
+                return GenerationResult(produced, finish.CANCELLED)
+        if end is not None:
+            kind, value = end
+            if kind == ERROR:
+                raise GenerationError(value)
+            return GenerationResult(produced, value)
+
+
+def _drain(out: queue.Queue, first: tuple) -> tuple[list[int], tuple | None]:
+    """`first` and every message already waiting: the tokens, and the end message if any."""
+    batch: list[int] = []
+    message = first
+    while True:
+        kind, value = message
+        if kind != TOKEN:
+            return batch, message
+        batch.append(value)
+        try:
+            message = out.get_nowait()
+        except queue.Empty:
+            return batch, None
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} asked for, but this torch sees no CUDA device")
+        return torch.device(device)
+    raise ModelLoadError(f"unknown device {device!r}; expected auto, cpu or cuda")
+
+
+def _kv_budget_bytes(kv_budget_mb: int | None, device: torch.device) -> int:
+    if kv_budget_mb is not None:
+        return kv_budget_mb * 2**20
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_SHARE)
+    return CPU_KV_BUDGET_MB * 2**20
+
+
+def _blocks_in(budget_bytes: int, model: LlamaModel) -> int:
+    c = model.config
+    return max(1, budget_bytes // bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype))
+
+
+def _context_window(model_max: int, asked: int | None, kv_blocks: int) -> int:
+    """`asked`, or the model's window capped by the pool; floored at 512 where the model allows."""
+    window = asked if asked is not None else min(model_max, kv_blocks * BLOCK_TOKENS)
+    return min(max(window, MIN_CONTEXT), model_max)
