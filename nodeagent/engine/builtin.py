@@ -80,7 +80,18 @@ def random_tensors(
     return tensors
 
 
+def random_model(
+    config: ModelConfig,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = torch.device("cpu"),
+    **kwargs,
+) -> LlamaModel:
+    """A model of `config` with `random_tensors(config, seed, **kwargs)` as its weights."""
+    tensors = random_tensors(config, seed, **kwargs)
+    return LlamaModel.from_source(config, DictSource(tensors), dtype, device)
+
+
 def builtin_model(dtype: torch.dtype, device: torch.device) -> LlamaModel:
     """The embedded default model, the same on every start."""
-    tensors = random_tensors(BUILTIN_CONFIG, BUILTIN_SEED)
-    return LlamaModel.from_source(BUILTIN_CONFIG, DictSource(tensors), dtype, device)
+    return random_model(BUILTIN_CONFIG, BUILTIN_SEED, dtype, device)

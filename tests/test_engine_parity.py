@@ -1,0 +1,169 @@
+"""Greedy tokens of the batched, paged engine equal a naive reference, token for token.
+
+The reference below is written independently of `nodeagent.engine.model`: unfused weights,
+one head at a time, the whole sequence recomputed for every token, in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+import pytest
+import torch
+
+from nodeagent.daemon import GenExtras
+from nodeagent.engine.builtin import DictSource, random_tensors
+from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.torch_engine import TorchDaemon
+from nodeagent.wal import GenParams
+
+torch.set_num_threads(1)
+
+NEW_TOKENS = 64
+TINY = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
+PROMPTS = [
+    [7],
+    [1, 2, 3, 4, 5],
+    list(range(10, 27)),
+    [200, 13, 13, 13, 99, 5, 77, 31],
+    list(range(100, 140)),
+    [3, 250, 17],
+    list(range(50, 82)),
+    [42] * 20,
+]
+
+
+def reference_greedy(tensors: dict, c: ModelConfig, prompt: list[int], n: int) -> list[int]:
+    t = {k: v.double() for k, v in tensors.items()}
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(reference_logits(t, c, tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def reference_logits(t: dict, c: ModelConfig, tokens: list[int]) -> torch.Tensor:
+    n, hd = len(tokens), c.head_dim
+    x = t["model.embed_tokens.weight"][tokens]
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if c.rope_scaling and c.rope_scaling["rope_type"] == "linear":
+        inv_freq = inv_freq / c.rope_scaling["factor"]
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+    def rope(v: torch.Tensor) -> torch.Tensor:
+        a, b = v[..., : hd // 2], v[..., hd // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def norm(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * v / torch.sqrt((v * v).mean(-1, keepdim=True) + c.rms_norm_eps)
+
+    def proj(h: torch.Tensor, name: str) -> torch.Tensor:
+        out = h @ t[name + ".weight"].T
+        return out + t[name + ".bias"] if name + ".bias" in t else out
+
+    future = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), diagonal=1)
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        q = rope(proj(h, p + "self_attn.q_proj").view(n, c.n_heads, hd))
+        k = rope(proj(h, p + "self_attn.k_proj").view(n, c.n_kv_heads, hd))
+        v = proj(h, p + "self_attn.v_proj").view(n, c.n_kv_heads, hd)
+        heads = []
+        for head in range(c.n_heads):
+            kv = head // (c.n_heads // c.n_kv_heads)
+            scores = q[:, head] @ k[:, kv].T / math.sqrt(hd) + future
+            heads.append(torch.softmax(scores, dim=-1) @ v[:, kv])
+        x = x + proj(torch.cat(heads, dim=-1), p + "self_attn.o_proj")
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        gate = torch.nn.functional.silu(h @ t[p + "mlp.gate_proj.weight"].T)
+        x = x + (gate * (h @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+    head_weight = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    return norm(x, t["model.norm.weight"]) @ head_weight.T
+
+
+VARIANTS = {
+    "llama": (TINY, {}),
+    "qwen2-bias-tied": (dataclasses.replace(TINY, tie_word_embeddings=True), {"qkv_bias": True}),
+    "linear-rope-mha": (
+        dataclasses.replace(TINY, n_kv_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        {},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request):
+    config, extra = VARIANTS[request.param]
+    tensors = random_tensors(config, seed=11, std=0.1, **extra)
+    expected = [reference_greedy(tensors, config, p, NEW_TOKENS) for p in PROMPTS]
+    return config, tensors, expected
+
+
+def make_daemon(config: ModelConfig, tensors: dict, max_batch: int, **kwargs) -> TorchDaemon:
+    model = LlamaModel.from_source(config, DictSource(tensors), torch.float32, torch.device("cpu"))
+    return TorchDaemon(model, "tiny", max_batch=max_batch, kv_blocks=256, **kwargs)
+
+
+def generate_all(daemon: TorchDaemon, prompts: list[list[int]]) -> list[list[int]]:
+    """Every prompt at once, one caller thread each, as the node agent calls."""
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = daemon.generate_tokens_streaming(
+            prompts[i], GenParams(), NEW_TOKENS, 0, GenExtras(), lambda batch: True
+        ).tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_one_lane_matches_reference(variant):
+    config, tensors, expected = variant
+    daemon = make_daemon(config, tensors, max_batch=1)
+    try:
+        assert generate_all(daemon, PROMPTS) == expected
+    finally:
+        daemon.close()
+
+
+@pytest.mark.parametrize("lanes,prefill_chunk", [(3, 512), (8, 512), (8, 7)])
+def test_batched_lanes_match_reference(variant, lanes, prefill_chunk):
+    config, tensors, expected = variant
+    daemon = make_daemon(config, tensors, max_batch=lanes, prefill_chunk=prefill_chunk)
+    try:
+        assert generate_all(daemon, PROMPTS) == expected
+        assert daemon.sched_stats().pool_blocks_used == 0
+    finally:
+        daemon.close()
+
+
+def test_stage_splits_match_whole_forward(variant):
+    config, tensors, expected = variant
+    daemon = make_daemon(config, tensors, max_batch=1)
+    try:
+        for prompt, tokens in zip(PROMPTS[:4], expected):
+            whole = daemon.forward_stage(prompt, 0, config.n_layers, None)
+            assert whole.token == tokens[0]
+            for k in range(config.n_layers):
+                first = daemon.forward_stage(prompt, 0, k, None)
+                second = daemon.forward_stage([], k, config.n_layers, first.data)
+                assert second == whole, f"split at layer {k}"
+    finally:
+        daemon.close()
