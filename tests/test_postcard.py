@@ -1,0 +1,373 @@
+"""The postcard rules of linkf-wire.md §2, one by one, and the errors for each way to break them."""
+
+import dataclasses
+import enum
+import math
+
+import pytest
+
+from nodeagent.wal import GenParams
+from proto.linkf import (
+    PAYLOAD_TYPES,
+    AppendContentMsg,
+    BlobFetchMsg,
+    GenerationWatermark,
+    Lease,
+    LeaseGrantMsg,
+    ReconcileMsg,
+    SegmentKind,
+    SessionAssignMsg,
+    SessionReconcileAck,
+    StageForwardRespMsg,
+    TokenEvent,
+    TokenEventPayload,
+    TokenEventsMsg,
+    decode_payload,
+    msg_type,
+)
+from proto.handshake import Hello, LinkRole
+from proto.postcard import (
+    U8,
+    U16,
+    U32,
+    U64,
+    Array32,
+    Bool,
+    Bytes,
+    F32,
+    Option,
+    PostcardError,
+    Str,
+    Tuple,
+    Unit,
+    Vec,
+    data_enum,
+    from_bytes,
+    struct,
+    to_bytes,
+)
+
+
+def h(text):
+    return bytes.fromhex(text)
+
+
+def decode_error(wire, data):
+    with pytest.raises(PostcardError) as e:
+        from_bytes(wire, data)
+    return e.value
+
+
+def encode_error(value, wire=None):
+    with pytest.raises(PostcardError) as e:
+        to_bytes(value, wire)
+    return e.value
+
+
+# Varints
+
+
+@pytest.mark.parametrize(
+    "wire, value, data",
+    [
+        (U16, 65535, "ff ff 03"),
+        (U32, 0xFFFFFFFF, "ff ff ff ff 0f"),
+        (U64, (1 << 64) - 1, "ff ff ff ff ff ff ff ff ff 01"),
+        (U64, 1 << 63, "80 80 80 80 80 80 80 80 80 01"),
+        (U32, 1 << 28, "80 80 80 80 01"),
+    ],
+)
+def test_varint_at_the_top_of_its_range(wire, value, data):
+    assert to_bytes(value, wire) == h(data)
+    assert from_bytes(wire, h(data)) == value
+
+
+@pytest.mark.parametrize(
+    "wire, data, reason",
+    [
+        (U16, "ff ff 04", "varint above the u16 range"),
+        (U16, "80 80 80 00", "varint longer than 3 bytes"),
+        (U32, "ff ff ff ff 10", "varint above the u32 range"),
+        (U32, "80 80 80 80 80 00", "varint longer than 5 bytes"),
+        (U64, "ff ff ff ff ff ff ff ff ff 02", "varint above the u64 range"),
+        (U64, "80 80 80 80 80 80 80 80 80 80 00", "varint longer than 10 bytes"),
+    ],
+)
+def test_varint_too_long_or_too_large(wire, data, reason):
+    e = decode_error(wire, h(data))
+    assert (e.reason, e.offset) == (reason, 0)
+
+
+def test_varint_ending_early_names_the_missing_byte():
+    e = decode_error(U32, h("80 80"))
+    assert (e.reason, e.offset) == ("unexpected end of input", 2)
+    assert decode_error(U64, b"").offset == 0
+
+
+def test_non_canonical_varints_decode_as_rust_does():
+    assert from_bytes(U16, h("80 00")) == 0
+    assert from_bytes(U64, h("81 80 00")) == 1
+
+
+@pytest.mark.parametrize("wire, value", [(U16, 65536), (U32, 1 << 32), (U64, 1 << 64), (U64, -1), (U16, -20000)])
+def test_varint_out_of_range_is_not_encoded(wire, value):
+    assert "out of the" in str(encode_error(value, wire))
+
+
+@pytest.mark.parametrize("value", ["1", 1.0, None, b"\x01"])
+def test_varint_of_another_type_is_not_encoded(value):
+    encode_error(value, U64)
+
+
+# Fixed-size scalars
+
+
+def test_u8_is_one_raw_byte():
+    assert to_bytes(200, U8) == b"\xc8"
+    assert from_bytes(U8, b"\xc8") == 200
+    encode_error(256, U8)
+    encode_error(-1, U8)
+
+
+def test_bool_is_00_or_01_only():
+    assert to_bytes(True, Bool) == b"\x01"
+    assert from_bytes(Bool, b"\x00") is False
+    e = decode_error(Bool, b"\x02")
+    assert str(e) == "bool: invalid bool byte 0x02 at offset 0"
+    encode_error(1, Bool)
+
+
+def test_f32_is_4_bytes_little_endian():
+    assert to_bytes(0.7, F32) == h("33 33 33 3f")
+    assert from_bytes(F32, h("33 33 33 3f")) == float.fromhex("0x1.666666p-1")
+    assert to_bytes(-2.0, F32) == h("00 00 00 c0")
+    assert math.isnan(from_bytes(F32, h("00 00 c0 7f")))
+    assert decode_error(F32, h("00 00 00")).reason == "unexpected end of input"
+    encode_error(1e39, F32)
+    encode_error("0.5", F32)
+
+
+# Strings, bytes, arrays
+
+
+def test_string_is_length_then_utf8():
+    assert to_bytes("hé", Str) == h("03 68 c3 a9")
+    assert from_bytes(Str, h("03 68 c3 a9")) == "hé"
+
+
+def test_invalid_utf8_names_the_bad_byte():
+    e = decode_error(Str, h("03 68 ff 69"))
+    assert e.offset == 2
+    assert "invalid UTF-8" in e.reason
+
+
+def test_utf8_encoded_surrogate_is_rejected_as_rust_does():
+    decode_error(Str, h("03 ed a0 80"))
+    encode_error("\ud800", Str)
+
+
+def test_bytes_and_strings_of_the_wrong_type_are_not_encoded():
+    encode_error(b"abc", Str)
+    encode_error("abc", Bytes)
+    encode_error([1, 2], Bytes)
+
+
+def test_length_beyond_the_input_is_an_error_not_a_short_value():
+    e = decode_error(Bytes, h("05 01 02"))
+    assert e.offset == 0
+    assert "runs past the end" in e.reason
+    assert decode_error(Str, h("ff ff ff ff ff ff ff ff 7f")).offset == 0
+
+
+def test_long_bytes_have_a_multi_byte_length():
+    data = to_bytes(bytes(20000), Bytes)
+    assert data[:3] == h("a0 9c 01")
+    assert from_bytes(Bytes, data) == bytes(20000)
+
+
+def test_array32_has_no_length_prefix():
+    assert to_bytes(bytes(range(32)), Array32) == bytes(range(32))
+    assert decode_error(Array32, bytes(31)).reason == "unexpected end of input"
+    assert "expected 32 bytes" in str(encode_error(bytes(31), Array32))
+
+
+def test_bytes_like_input_is_accepted_and_bytes_come_back():
+    assert from_bytes(Bytes, bytearray(h("02 61 62"))) == b"ab"
+    assert type(from_bytes(Bytes, memoryview(h("02 61 62")))) is bytes
+    assert "expected bytes" in str(decode_error(Bytes, 5))
+
+
+# Containers
+
+
+def test_vec_of_u32_with_all_sizes():
+    tokens = [0, 127, 128, 16383, 16384, (1 << 21) - 1, 1 << 21, 0xFFFFFFFF]
+    data = to_bytes(tokens, Vec[U32])
+    assert data == h("08 00 7f 8001 ff7f 808001 ffff7f 80808001 ffffffff0f")
+    assert from_bytes(Vec[U32], data) == tokens
+
+
+def test_vec_element_errors_name_the_index():
+    e = decode_error(Vec[U32], h("03 01 02 ff ff ff ff 1f"))
+    assert str(e) == "Vec<u32>[2]: varint above the u32 range at offset 3"
+    e = encode_error([1, 2, 1 << 32], Vec[U32])
+    assert str(e).startswith("Vec<u32>[2]: ")
+
+
+def test_vec_length_beyond_the_input_is_rejected_before_reading():
+    e = decode_error(Vec[Str], h("ff ff ff ff 0f 00"))
+    assert "cannot fit" in e.reason
+
+
+def test_option_tags():
+    assert to_bytes(None, Option[U32]) == b"\x00"
+    assert to_bytes(300, Option[U32]) == h("01 ac 02")
+    assert from_bytes(Option[U32], h("01 ac 02")) == 300
+    e = decode_error(Option[U32], h("02 00"))
+    assert (e.reason, e.offset) == ("invalid Option tag 0x02", 0)
+
+
+def test_tuple_is_its_elements_in_order():
+    wire = Tuple[U16, Str]
+    assert to_bytes((2, "a"), wire) == h("02 01 61")
+    assert from_bytes(wire, h("02 01 61")) == (2, "a")
+    encode_error((2,), wire)
+    assert str(decode_error(wire, h("02 02 61"))) == "(u16, String).1: length 2 runs past the end (1 bytes left) at offset 1"
+
+
+def test_unit_is_zero_bytes():
+    assert to_bytes(None, Unit) == b""
+    assert from_bytes(Unit, b"") is None
+    encode_error(0, Unit)
+
+
+# Enums
+
+
+def test_unit_enum_is_its_variant_index():
+    assert to_bytes(SegmentKind.ToolCallDelta, SegmentKind) == b"\x02"
+    assert from_bytes(SegmentKind, b"\x01") is SegmentKind.ReasoningDelta
+    e = decode_error(SegmentKind, b"\x03")
+    assert (e.reason, e.offset) == ("unknown SegmentKind variant 3", 0)
+    encode_error(1, SegmentKind)
+
+
+def test_unit_enum_values_must_be_variant_indices():
+    class Odd(enum.IntEnum):
+        A = 1
+
+    with pytest.raises(TypeError):
+        to_bytes(Odd.A)
+
+
+def test_data_enum_is_index_then_fields():
+    assert to_bytes(TokenEventPayload.Finish(reason=5)) == h("03 05")
+    assert to_bytes(TokenEventPayload.Tokens(tokens=[1])) == h("00 01 01")
+    assert from_bytes(TokenEventPayload, h("01 02 01 61")) == TokenEventPayload.Segment(kind=SegmentKind.ToolCallDelta, data=b"a")
+    e = decode_error(TokenEventPayload, h("04"))
+    assert (e.reason, e.offset) == ("unknown TokenEventPayload variant 4", 0)
+
+
+def test_data_enum_field_takes_variants_only():
+    e = encode_error(TokenEvent(payload=SegmentKind.TextDelta))
+    assert str(e) == "TokenEvent.payload: expected a TokenEventPayload variant, got SegmentKind"
+
+
+def test_data_enum_variants_in_declaration_order():
+    @data_enum
+    class Shape:
+        @struct
+        class Dot:
+            pass
+
+        @struct
+        class Line:
+            length: U32
+
+    assert to_bytes(Shape.Dot()) == b"\x00"
+    assert from_bytes(Shape, h("01 07")) == Shape.Line(length=7)
+
+
+# Structs
+
+
+def test_struct_is_its_fields_with_nothing_between():
+    msg = LeaseGrantMsg(session_id=1, epoch=2, duration_ms=3, renew_by_ms=4)
+    assert to_bytes(msg) == h("01 02 03 04")
+
+
+def test_trailing_bytes_are_ignored():
+    assert from_bytes(LeaseGrantMsg, h("01 02 03 04 ff ff")) == LeaseGrantMsg(1, 2, 3, 4)
+
+
+def test_error_names_the_field_path_and_offset():
+    data = h("01 02 03") + h("80") * 11
+    assert str(decode_error(SessionAssignMsg, data)) == (
+        "SessionAssignMsg.lease.duration_ms: varint longer than 10 bytes at offset 3"
+    )
+
+
+def test_truncation_names_the_field_it_hit():
+    data = to_bytes(SessionAssignMsg(codec="abc"))
+    e = decode_error(SessionAssignMsg, data[:-2])
+    assert str(e) == f"SessionAssignMsg.qos_class: unexpected end of input at offset {len(data) - 2}"
+
+
+def test_deep_paths_go_through_vecs_and_variants():
+    msg = TokenEventsMsg(events=[TokenEvent(), TokenEvent(payload=TokenEventPayload.Tokens(tokens=[1, 2]))])
+    data = bytearray(to_bytes(msg))
+    data[-1] = 0x80
+    e = decode_error(TokenEventsMsg, bytes(data))
+    assert str(e) == f"TokenEventsMsg.events[1].payload.Tokens.tokens[1]: unexpected end of input at offset {len(data)}"
+
+
+def test_bool_and_option_errors_inside_structs():
+    e = decode_error(SessionReconcileAck, h("01 07"))
+    assert str(e) == "SessionReconcileAck.held: invalid bool byte 0x07 at offset 1"
+    e = decode_error(ReconcileMsg, h("01 01 01 00 00 00 00 01 01 05"))
+    assert str(e) == "ReconcileMsg.sessions[0].generation_watermarks[0].watermark: invalid Option tag 0x05 at offset 9"
+
+
+def test_encode_errors_name_the_field():
+    assert str(encode_error(LeaseGrantMsg(epoch=-1))) == "LeaseGrantMsg.epoch: -1 is out of the u64 range"
+    assert "SessionAssignMsg.lease.renew_by_ms" in str(encode_error(SessionAssignMsg(lease=Lease(renew_by_ms="x"))))
+    assert "StageForwardRespMsg.token" in str(encode_error(StageForwardRespMsg(token=1 << 32)))
+    assert "AppendContentMsg.media_refs[0]" in str(encode_error(AppendContentMsg(media_refs=[b"short"])))
+    assert "SessionAssignMsg.lease" in str(encode_error(SessionAssignMsg(lease=None)))
+    assert "Hello.link_role" in str(encode_error(Hello(link_role=2)))
+
+
+def test_every_field_has_a_zero_default():
+    for cls in PAYLOAD_TYPES.values():
+        value = cls()
+        assert from_bytes(cls, to_bytes(value)) == value
+    assert TokenEvent().payload == TokenEventPayload.Tokens(tokens=[])
+    assert Hello().link_role is LinkRole.NodeAgent
+    assert BlobFetchMsg().content_hash == bytes(32)
+    assert GenerationWatermark().watermark is None
+    assert ReconcileMsg().sessions is not ReconcileMsg().sessions
+
+
+def test_structs_are_plain_dataclasses_in_rust_field_order():
+    assert [f.name for f in dataclasses.fields(LeaseGrantMsg)] == ["session_id", "epoch", "duration_ms", "renew_by_ms"]
+    assert LeaseGrantMsg(1, 2) == LeaseGrantMsg(session_id=1, epoch=2)
+
+
+def test_genparams_is_a_frozen_struct():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GenParams().seed = 1
+    assert to_bytes(GenParams(top_k=40, seed=42)) == bytes(12) + h("28 2a")
+
+
+def test_decode_payload_picks_the_catalog_type():
+    assert decode_payload(msg_type.LEASE_GRANT, h("01 02 03 04")) == LeaseGrantMsg(1, 2, 3, 4)
+    with pytest.raises(PostcardError) as e:
+        decode_payload(0x0FFF, b"")
+    assert "0x0fff" in str(e.value)
+    with pytest.raises(PostcardError):
+        decode_payload(msg_type.LEASE_GRANT, h("01"))
+
+
+def test_a_non_wire_type_is_a_programming_error():
+    with pytest.raises(TypeError):
+        from_bytes(int, b"\x00")
