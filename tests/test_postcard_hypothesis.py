@@ -1,0 +1,105 @@
+"""Property tests: every struct round-trips, and no input makes `from_bytes` raise anything but
+PostcardError."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeagent.wal import GenParams
+from proto import linkf
+from proto import postcard as pc
+from proto.linkf import PAYLOAD_TYPES
+from proto.postcard import PostcardError, from_bytes, to_bytes
+
+STRUCTS = sorted(
+    {*PAYLOAD_TYPES.values(), GenParams}
+    | {v for v in vars(linkf).values() if isinstance(v, type) and dataclasses.is_dataclass(v)},
+    key=lambda c: c.__name__,
+)
+SCALARS = {
+    "u8": st.integers(0, 0xFF),
+    "u16": st.integers(0, 0xFFFF),
+    "u32": st.integers(0, 0xFFFFFFFF),
+    "u64": st.integers(0, (1 << 64) - 1),
+    "bool": st.booleans(),
+    "f32": st.floats(width=32, allow_nan=False),
+    "String": st.text(max_size=12),
+    "Vec<u8>": st.binary(max_size=24),
+    "[u8; 32]": st.binary(min_size=32, max_size=32),
+    "()": st.none(),
+}
+
+
+def values(annotation):
+    """Values of any wire type, with lists kept short."""
+    w = pc.wire_type(annotation)
+    if w.name in SCALARS:
+        return SCALARS[w.name]
+    if isinstance(w, pc._VecType):
+        return st.lists(values(w.elem), max_size=3)
+    if isinstance(w, pc._OptionType):
+        return st.none() | values(w.inner)
+    if isinstance(w, pc._TupleType):
+        return st.tuples(*map(values, w.elems))
+    if isinstance(w, pc._UnitEnum):
+        return st.sampled_from(w.members)
+    if isinstance(w, pc._DataEnum):
+        return st.one_of([structs(v) for v in w.variants])
+    return structs(w.cls)
+
+
+def structs(cls):
+    return st.builds(cls, **{f.name: values(f.type) for f in dataclasses.fields(cls)})
+
+
+@pytest.mark.parametrize("cls", STRUCTS, ids=lambda c: c.__name__)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_struct_roundtrips(cls, data):
+    value = data.draw(structs(cls))
+    assert from_bytes(cls, to_bytes(value)) == value
+
+
+def decodes_or_raises_postcard_error(cls, data):
+    try:
+        value = from_bytes(cls, data)
+    except PostcardError as e:
+        assert e.offset is None or 0 <= e.offset <= len(data)
+        assert str(e).startswith(pc.wire_type(cls).name)
+    else:
+        assert type(value) is cls
+
+
+@pytest.mark.parametrize("cls", sorted(set(PAYLOAD_TYPES.values()), key=lambda c: c.__name__), ids=lambda c: c.__name__)
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(max_size=48))
+def test_arbitrary_bytes_decode_or_raise_postcard_error(cls, data):
+    decodes_or_raises_postcard_error(cls, data)
+
+
+@pytest.mark.parametrize("cls", [linkf.TokenEventsMsg, linkf.ReconcileMsg, linkf.ReconcileAckMsg, linkf.HelloAckF,
+                                 linkf.SessionAssignMsg, linkf.StageForwardReqMsg, linkf.AppendContentMsg],
+                         ids=lambda c: c.__name__)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_damaged_encodings_decode_or_raise_postcard_error(cls, data):
+    """Valid bytes with some bytes overwritten and the end cut off reach the deep fields."""
+    encoded = bytearray(to_bytes(data.draw(structs(cls))))
+    for _ in range(data.draw(st.integers(0, 3))):
+        if encoded:
+            encoded[data.draw(st.integers(0, len(encoded) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(encoded)))
+    decodes_or_raises_postcard_error(cls, bytes(encoded[:cut]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.integers(0, (1 << 64) - 1), extra=st.binary(max_size=4))
+def test_varints_roundtrip_with_trailing_bytes_ignored(value, extra):
+    for wire, bits in [(pc.U16, 16), (pc.U32, 32), (pc.U64, 64)]:
+        if value < 1 << bits:
+            assert from_bytes(wire, to_bytes(value, wire) + extra) == value
+        else:
+            with pytest.raises(PostcardError):
+                to_bytes(value, wire)
