@@ -320,7 +320,8 @@ class NodeAgent:
 
     def serve(self, endpoint: Endpoint) -> None:
         """Serves one head until it leaves; raises the error (LinkFError or DaemonError) that
-        ended the connection otherwise. Closes the endpoint and stops its work on the way out."""
+        ended the connection otherwise. On the way out it stops the connection's generation and
+        closes the endpoint, as dropping them did in the seed."""
         work = Work()
         try:
             try:
@@ -336,8 +337,7 @@ class NodeAgent:
             self.serve_link(endpoint, work)
         finally:
             self.drop_generation(work)
-            work.stage = None
-            endpoint.shutdown()
+            endpoint.close()
 
     def serve_link(self, endpoint: Endpoint, work: Work) -> None:
         while True:

@@ -32,6 +32,7 @@ class ServedNode:
     daemon: Daemon
     addr: str
     auth: bytes
+    noise: bool
     outcomes: queue.Queue = field(default_factory=queue.Queue)
     accepts: int = 0
     _listener: socket.socket | None = None
@@ -66,7 +67,7 @@ class ServedNode:
     def _connection(self, sock: socket.socket) -> None:
         outcome = None
         try:
-            if self.auth:
+            if self.noise:
                 ep = Endpoint.from_tcp_secure(sock, self.auth, NoiseRole.Responder, self.agent.handshake_timeout)
             else:
                 ep = Endpoint.from_tcp(sock)
@@ -96,8 +97,9 @@ class ServedNode:
 
 @pytest.fixture
 def start_node():
-    """`start_node(daemon=None, *, handshake_s=2.0, idle_s=0.0, auth=b"", max_lanes=0,
-    identity="node-a", model="mock")` -> ServedNode, stopped after the test."""
+    """`start_node(daemon=None, *, handshake_s=2.0, idle_s=0.0, auth=b"", noise=None,
+    max_lanes=0, identity="node-a", model="mock")` -> ServedNode, stopped after the test.
+    With a token the link is Noise unless `noise=False` (then only HELLO carries it)."""
     nodes: list[ServedNode] = []
 
     def start(
@@ -106,6 +108,7 @@ def start_node():
         handshake_s: float = 2.0,
         idle_s: float = 0.0,
         auth: bytes = b"",
+        noise: bool | None = None,
         max_lanes: int = 0,
         identity: str = "node-a",
         model: str = "mock",
@@ -118,7 +121,8 @@ def start_node():
             .with_auth(auth)
         )
         listener = socket.create_server(("127.0.0.1", 0))
-        node = ServedNode(agent, daemon, "127.0.0.1:%d" % listener.getsockname()[1], auth, _listener=listener)
+        addr = "127.0.0.1:%d" % listener.getsockname()[1]
+        node = ServedNode(agent, daemon, addr, auth, bool(auth) if noise is None else noise, _listener=listener)
         node._accept = threading.Thread(target=node.serve, name="test-node-accept", daemon=True)
         node._accept.start()
         nodes.append(node)

@@ -81,11 +81,12 @@ class Received:
 class Head:
     """One head connection to one node."""
 
-    def __init__(self, endpoint: Endpoint, node: HelloAckF, addr, auth: bytes, versions) -> None:
+    def __init__(self, endpoint: Endpoint, node: HelloAckF, addr, auth: bytes, noise: bool, versions) -> None:
         self.endpoint = endpoint
         self.node = node
         self.addr = addr
         self.auth = auth
+        self.noise = noise
         self.versions = versions
         self.session = HeadSession.starting_at(next(_commands))
         #: Generation ids and stage request ids come from one counter, as the Rust head's.
@@ -106,19 +107,25 @@ class Head:
         addr,
         *,
         auth: bytes = b"",
+        noise: bool | None = None,
         versions: tuple[int, int] = (2, 3),
         role: LinkRole = LinkRole.HeadDaemon,
         timeout: float = 5.0,
         heartbeat: float = 5.0,
     ) -> Head:
-        endpoint, node = _open(addr, auth, versions, role, timeout, heartbeat)
-        return cls(endpoint, node, addr, auth, versions)
+        """Dials `addr` and says HELLO with `auth`; the link is Noise keyed by `auth` when there
+        is one, unless `noise=False`. `heartbeat`: the head's KEEPALIVE interval on a v3 link."""
+        noise = bool(auth) if noise is None else noise
+        endpoint, node = _open(addr, auth, noise, versions, role, timeout, heartbeat)
+        return cls(endpoint, node, addr, auth, noise, versions)
 
     def reconnect(self, timeout: float = TIMEOUT) -> ReconcileAckMsg:
         """Drops this connection, dials again and reconciles, as the Rust head does: RECONCILE
         first, then the RECONCILE_ACK and every event it says is being sent again."""
         self.endpoint.close()
-        self.endpoint, self.node = _open(self.addr, self.auth, self.versions, LinkRole.HeadDaemon, timeout, 5.0)
+        self.endpoint, self.node = _open(
+            self.addr, self.auth, self.noise, self.versions, LinkRole.HeadDaemon, timeout, 5.0
+        )
         self.endpoint.send(msg_type.RECONCILE, self.session.reconcile())
         ack = self.wait_for(msg_type.RECONCILE_ACK, timeout).msg
         owed = {
@@ -282,8 +289,8 @@ class Head:
         return {(e.session_id, e.generation_id, e.event_seq) for g in self.generations.values() for e in g.events}
 
 
-def _open(addr, auth: bytes, versions, role, timeout: float, heartbeat: float) -> tuple[Endpoint, HelloAckF]:
-    if auth:
+def _open(addr, auth: bytes, noise: bool, versions, role, timeout: float, heartbeat: float):
+    if noise:
         endpoint = Endpoint.connect_tcp_secure(addr, auth, timeout, timeout)
     else:
         endpoint = Endpoint.connect_tcp(addr, timeout)
@@ -359,3 +366,11 @@ def mock_stage(tokens: list[int], start: int, end: int, hidden_in: bytes | None 
     for layer in range(start, end):
         h = xxhash.xxh3_64_intdigest(struct.pack("<QI", h, layer))
     return h % MOCK_VOCAB if end >= MOCK_LAYERS else struct.pack("<Q", h)
+
+
+def raw_hello(addr, versions: tuple[int, int] = (2, 3), auth: bytes = b"") -> tuple[socket.socket, Endpoint]:
+    """A connection past HELLO whose socket the caller also writes to directly."""
+    sock = raw_connect(addr)
+    endpoint = Endpoint.from_tcp(sock)
+    endpoint.hello_as_head(auth, 5.0, versions=versions)
+    return sock, endpoint

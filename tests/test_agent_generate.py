@@ -1,0 +1,214 @@
+"""Generations (node-behaviour.md §1.5-1.8): declines, refusals, daemon errors, coalescing,
+cancel, finish reasons, and a dropped connection stopping its generation."""
+
+import logging
+import time
+
+import pytest
+from headkit import Head, mock_tokens
+
+from nodeagent import finish
+from nodeagent.agent import FINISH_DECLINED, FINISH_EXPIRED, FINISH_REFUSED
+from nodeagent.daemon import ConstraintError, GenerationError
+from nodeagent.engine.mock import MockDaemon
+from nodeagent.wal import GenParams
+from proto.linkf import GenerateReqMsg, GenerationBudgetsMsg, TokenEventPayload, msg_type
+
+PROMPT = list(range(100, 120))
+
+
+class EndsEarly(MockDaemon):
+    """A model that emits its end token after three tokens."""
+
+    def generate_tokens_streaming(self, stream, params, max_tokens, deadline_ms, extras, on_tokens):
+        return super().generate_tokens_streaming(stream, params, min(max_tokens, 3), deadline_ms, extras, on_tokens)
+
+
+class NoGrammar(MockDaemon):
+    def generate_tokens_streaming(self, stream, params, max_tokens, deadline_ms, extras, on_tokens):
+        raise ConstraintError("this engine applies no grammar")
+
+
+def placed(head: Head, session_id: int, prompt=PROMPT) -> int:
+    epoch = head.assign(session_id, GenParams())
+    head.append(session_id, prompt)
+    return epoch
+
+
+def by_hand(head: Head, session_id: int, epoch: int, max_new: int = 4) -> GenerateReqMsg:
+    """A GENERATE_REQ the head's own bookkeeping would not send."""
+    req = GenerateReqMsg(
+        command_id=head.session.next_command(session_id),
+        session_id=session_id,
+        epoch=epoch,
+        generation_id=next(head._ids),
+        budgets=GenerationBudgetsMsg(max_new_tokens=max_new, max_wall_ms=60_000),
+    )
+    head.endpoint.send(msg_type.GENERATE_REQ, req)
+    return req
+
+
+def assert_declined(head: Head, req: GenerateReqMsg) -> None:
+    g = head.collect(req, 5.0)
+    assert g.tokens == []
+    (ev,) = [e for e in g.events if isinstance(e.payload, TokenEventPayload.Finish)]
+    assert (ev.payload.reason, ev.event_seq, ev.epoch) == (FINISH_DECLINED, 0, req.epoch)
+
+
+def test_unknown_sessions_and_superseded_epochs_are_declined(node, caplog):
+    caplog.set_level(logging.WARNING, logger="nodeagent.agent")
+    with Head.connect(node.addr) as head:
+        assert_declined(head, by_hand(head, 404, epoch=1))
+        old = placed(head, 1)
+        new = head.assign(1, GenParams())
+        assert_declined(head, by_hand(head, 1, epoch=old))
+        assert new > old
+        head.append(1, PROMPT)
+        assert head.generate(1, 4).tokens == mock_tokens(PROMPT, 4), "the current epoch still serves"
+    declines = [r.fields for r in caplog.records if r.getMessage().startswith("declining a generate")]
+    assert {"session": 404, "generation": 1, "epoch": 1} in declines
+
+
+def test_a_replayed_generate_is_declined_and_does_not_restart_the_stream(node):
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        req = head.request(1, 8)
+        g = head.collect(req)
+        assert g.finish == finish.LENGTH
+        events = len(g.events)
+        head.endpoint.send(msg_type.GENERATE_REQ, req)  # the same command id again
+        head.until(lambda: len(g.events) > events, 5.0, "an answer to the replay")
+        (replayed,) = g.events[events:]
+        assert replayed.payload == TokenEventPayload.Finish(reason=FINISH_DECLINED)
+        assert replayed.event_seq == 0
+        assert g.tokens == mock_tokens(PROMPT, 8)
+
+
+def test_a_second_generate_on_a_busy_connection_is_declined_without_consuming_it(start_node):
+    node = start_node(MockDaemon(token_delay_s=0.01))
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        placed(head, 2, [7, 8, 9])
+        first = head.request(1, 40)
+        second = head.request(2, 4)
+        assert_declined(head, second)
+        running = head.generations.get((1, first.generation_id))
+        assert running is None or running.finish is None, "declined while the first ran"
+        assert head.collect(first).tokens == mock_tokens(PROMPT, 40)
+
+        # Its command was not consumed: sent again, it runs (its stream starts over at seq 0).
+        del head.generations[(2, second.generation_id)]
+        head.endpoint.send(msg_type.GENERATE_REQ, second)
+        retried = head.collect(second)
+        assert (retried.finish, retried.tokens) == (finish.LENGTH, mock_tokens([7, 8, 9], 4))
+
+
+def test_a_context_past_the_window_is_refused_and_the_connection_serves_on(start_node, caplog):
+    caplog.set_level(logging.WARNING, logger="nodeagent.agent")
+    node = start_node(MockDaemon(max_context=64))
+    with Head.connect(node.addr) as head:
+        placed(head, 1, list(range(65)))
+        g = head.generate(1, 8)
+        assert (g.finish, g.tokens) == (FINISH_REFUSED, [])
+        placed(head, 2, list(range(64)))
+        assert head.generate(2, 4).tokens == mock_tokens(list(range(64)), 4), "exactly the window is served"
+    (bug,) = [r for r in caplog.records if r.getMessage().startswith("refusing a generation")]
+    assert "the head should have caught this before dispatch" in bug.getMessage()
+    assert bug.fields["session"] == 1 and "maximum context length is 64" in str(bug.fields["error"])
+
+
+def test_a_constraint_the_engine_cannot_apply_is_refused(start_node):
+    node = start_node(NoGrammar())
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        assert head.generate(1, 4).finish == FINISH_REFUSED
+
+
+def test_any_other_daemon_error_ends_that_connection_only(node):
+    with Head.connect(node.addr) as good, Head.connect(node.addr) as bad:
+        placed(good, 1)
+        bad.assign(2, GenParams())  # no content: the mock cannot generate
+        bad.request(2, 4)
+        assert bad.closed_by_node(3.0)
+        outcome = node.outcome()
+        assert isinstance(outcome, GenerationError)
+        assert "session has no content to generate from" in str(outcome)
+        assert good.generate(1, 4).tokens == mock_tokens(PROMPT, 4)
+        assert node.agent.shared.agent.is_fenced(2) is False, "the failed connection's session survives"
+
+
+def test_tokens_are_coalesced_by_count(node):
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        g = head.generate(1, 40)
+    assert g.tokens == mock_tokens(PROMPT, 40)
+    batches = [len(e.payload.tokens) for e in g.events if isinstance(e.payload, TokenEventPayload.Tokens)]
+    assert len(g.events) <= len(g.tokens) + 1
+    assert len(batches) <= 4, f"40 instant tokens leave in few events: {batches}"
+    assert max(batches) >= 16
+
+
+def test_slow_tokens_leave_every_200_ms(start_node):
+    node = start_node(MockDaemon(token_delay_s=0.05))
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        g = head.generate(1, 12)
+        token_frames = [r.at for r in head.of_type(msg_type.TOKEN_EVENTS)]
+    assert g.tokens == mock_tokens(PROMPT, 12)
+    batches = [e for e in g.events if isinstance(e.payload, TokenEventPayload.Tokens)]
+    assert len(batches) >= 2, "under 16 tokens, the timer sends them before the end"
+    assert token_frames[-1] - token_frames[0] >= 0.2
+
+
+def test_cancel_stops_the_generation_and_finishes_cancelled(start_node):
+    daemon = MockDaemon(token_delay_s=0.01)
+    node = start_node(daemon)
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        req = head.request(1, 1000)
+        g = head.generations
+        head.until(lambda: (1, req.generation_id) in g and g[(1, req.generation_id)].tokens, 5.0, "tokens")
+        head.cancel(req)
+        done = head.collect(req, 5.0)
+        assert done.finish == finish.CANCELLED
+        assert 0 < len(done.tokens) < 1000
+        assert done.tokens == mock_tokens(PROMPT, len(done.tokens))
+        head.until(lambda: daemon.sched_stats().lanes_active == 0, 2.0, "the lane freed")
+
+
+@pytest.mark.parametrize(
+    "daemon, max_new, wall_ms, reason",
+    [
+        (MockDaemon, 6, 60_000, finish.LENGTH),
+        (EndsEarly, 6, 60_000, finish.EOS),
+        (lambda: MockDaemon(token_delay_s=0.02), 500, 150, FINISH_EXPIRED),
+    ],
+    ids=["length", "eos", "expired"],
+)
+def test_finish_reasons(start_node, daemon, max_new, wall_ms, reason):
+    node = start_node(daemon())
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        g = head.generate(1, max_new, wall_ms)
+    assert g.finish == reason
+    assert g.tokens == mock_tokens(PROMPT, len(g.tokens))
+    if reason == finish.EOS:
+        assert len(g.tokens) == 3
+
+
+def test_closing_the_connection_stops_its_generation(start_node):
+    daemon = MockDaemon(token_delay_s=0.01)
+    node = start_node(daemon)
+    head = Head.connect(node.addr)
+    placed(head, 1)
+    req = head.request(1, 1000)
+    head.until(lambda: (1, req.generation_id) in head.generations, 5.0, "the first tokens")
+    head.close()
+    assert node.outcome() is None, "a head hanging up is no error"
+    deadline = time.monotonic() + 2.0
+    while daemon.sched_stats().lanes_active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert daemon.sched_stats().lanes_active == 0, "the generation stopped with its connection"
+    assert node.agent.running_generations() == 0
+    assert daemon.sched_stats().decode_tokens < 1000
+
