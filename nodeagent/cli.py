@@ -310,6 +310,7 @@ def run(opts: Options) -> int:
         from nodeagent.noded import Node
 
         node = Node(daemon, opts, token, identity(opts))
+        node.catch_signals()
         say(
             f"node '{node.identity}' serving '{node.model_name}' on "
             f"{show_addr(listener.getsockname())} (Link F/TCP)"
