@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         if e.message:
             say(e.message)
         return e.code
+    except KeyboardInterrupt:  # before the node catches signals: while the model loads
+        return 130
 
 
 def run(opts: Options) -> int:

@@ -92,7 +92,7 @@ class Node:
             say(f"refused {peer}: its fleet token differs")
             return
         except Exception as e:  # noqa: BLE001 - one line per failed connection, never more
-            say(f"a connection from {peer} failed its setup: {describe(e)}")
+            say(f"a connection from {peer} failed its setup: {describe(e, peer)}")
             sock.close()
             return
         finally:
@@ -104,7 +104,7 @@ class Node:
         except LinkFError.Closed:
             log.debug(f"connection from {peer} closed")
         except Exception as e:  # noqa: BLE001 - as above: the process outlives every connection
-            say(f"the connection from {peer} ended: {describe(e)}")
+            say(f"the connection from {peer} ended: {describe(e, peer)}")
             log.debug("the connection's traceback", exc_info=True)
 
     def _open(self, sock: socket.socket) -> Endpoint:
@@ -128,8 +128,9 @@ class Node:
         return 0
 
 
-def describe(e: BaseException) -> str:
-    """An error for a log line: the Link F and daemon errors say what they are, others are named."""
+def describe(e: BaseException, peer: str) -> str:
+    """An error for a line that already names `peer`: Link F and daemon errors say what they
+    are (less the peer they name too), any other is named by its type."""
     if isinstance(e, (LinkFError, DaemonError)):
-        return str(e)
+        return str(e).removesuffix(f" (peer {peer})")
     return f"{type(e).__name__}: {e}"

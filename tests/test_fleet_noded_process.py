@@ -177,6 +177,7 @@ def test_a_broken_peer_costs_one_line_and_only_its_own_link(noded):
             assert hung_up(bad, 5)
         line = node.wait_line(r"connection from 127\.0\.0\.1:\d+")
         assert re.match(r"^superfluid-noded: the connection from 127\.0\.0\.1:\d+ ended: \S", line), line
+        assert "(peer" not in line, "the peer is named once"
         assert head.collect(req).tokens == local_mock(list(range(20)), 60)
     assert node.proc.poll() is None
 
