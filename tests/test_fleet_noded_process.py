@@ -307,3 +307,24 @@ def closed_now(sock: socket.socket) -> bool:
 def _split(addr: str):
     host, _, port = addr.rpartition(":")
     return host, int(port)
+
+
+def test_the_builtin_torch_model_serves_what_it_serves_in_process(noded):
+    from nodeagent.engine.torch_engine import TorchDaemon
+
+    node = noded("--listen", "127.0.0.1:0", "--model", "builtin", "--device", "cpu", "--max-batch", "2")
+    assert node.lines[0].startswith("superfluid-noded: runtime torch (builtin, cpu")
+    assert node.model_name == "builtin"
+    prompt = [11, 22, 33, 44, 55]
+    local = TorchDaemon.load("builtin", device="cpu", max_batch=1)
+    try:
+        want = local.generate_tokens_streaming(prompt, GenParams(), 8, 0, GenExtras(), lambda b: True).tokens
+    finally:
+        local.close()
+    with Head.connect(node.addr) as head:
+        assert head.node.capacity.max_lanes == 2
+        head.assign(1)
+        head.append(1, prompt)
+        gen = head.generate(1, 8, timeout=30)
+    assert gen.tokens == want and gen.finish in (finish.LENGTH, finish.EOS)
+    assert node.stop() == 0
