@@ -1,0 +1,113 @@
+"""The builtin model and the stage forward through the daemon interface."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nodeagent.daemon import GenExtras, StageError, StageHidden, StageToken
+from nodeagent.engine import open_engine
+from nodeagent.engine.builtin import BUILTIN_CONFIG, builtin_model
+from nodeagent.wal import GenParams
+
+torch.set_num_threads(1)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    daemon = open_engine("torch", "builtin", device="cpu", max_batch=4, kv_budget_mb=64)
+    yield daemon
+    daemon.close()
+
+
+def generate(daemon, prompt, n=8):
+    return daemon.generate_tokens_streaming(prompt, GenParams(), n, 0, GenExtras(), lambda b: True).tokens
+
+
+def test_builtin_is_small_fast_to_build_and_always_the_same():
+    started = time.monotonic()
+    model = builtin_model(torch.float32, CPU)
+    assert time.monotonic() - started < 3.0
+    params = sum(t.numel() for t in [model.embed_weight, model.norm]) + sum(
+        t.numel() for layer in model.layers for t in vars(layer).values() if t is not None
+    )
+    assert 15e6 < params < 25e6
+    assert model.config.vocab_size == 32000
+    again = builtin_model(torch.float32, CPU)
+    assert torch.equal(model.layers[3].qkv, again.layers[3].qkv)
+
+
+def test_builtin_daemon_describes_itself_and_generates(builtin):
+    assert builtin.model_name == "builtin"
+    assert builtin.max_stream_tokens() == 2048
+    assert re.fullmatch(
+        r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, kv pool \d+ blocks",
+        builtin.summary(),
+    )
+    tokens = generate(builtin, [1, 450, 4996, 17354])
+    assert len(tokens) == 8 and all(0 <= t < 32000 for t in tokens)
+    assert generate(builtin, [1, 450, 4996, 17354]) == tokens
+
+
+def test_stage_zero_layers_is_the_embedding_on_the_wire(builtin):
+    out = builtin.forward_stage([5, 6, 7], 0, 0, None)
+    assert isinstance(out, StageHidden)
+    rows = np.frombuffer(out.data, dtype="<f4").reshape(3, BUILTIN_CONFIG.hidden_size)
+    assert np.array_equal(rows, builtin.model.embed_weight[[5, 6, 7]].numpy())
+
+
+def test_stage_chain_of_several_hops_gives_the_whole_token(builtin):
+    prompt = [1, 450, 4996, 17354, 1701, 29916]
+    whole = builtin.forward_stage(prompt, 0, 10, None)
+    assert whole == StageToken(generate(builtin, prompt, 1)[0])
+    hidden = builtin.forward_stage(prompt, 0, 3, None).data
+    hidden = builtin.forward_stage([], 3, 7, hidden).data
+    assert len(hidden) == len(prompt) * BUILTIN_CONFIG.hidden_size * 4
+    assert builtin.forward_stage([], 7, 10, hidden) == whole
+
+
+@pytest.mark.parametrize(
+    "tokens,start,end,hidden,message",
+    [
+        ([1], 3, 2, None, "not within"),
+        ([1], 0, 11, None, "not within"),
+        ([1], -1, 2, None, "not within"),
+        ([], 0, 2, None, "neither tokens nor a hidden state"),
+        ([], 2, 4, b"", "not a whole number"),
+        ([], 2, 4, b"\0" * 1020, "not a whole number"),
+        ([1], 2, 4, None, "needs the previous stage's hidden state"),
+        ([32000], 0, 2, None, "must lie in"),
+        ([1] * 2049, 0, 2, None, "exceeds the context window"),
+    ],
+)
+def test_stage_rejects_what_it_cannot_run(builtin, tokens, start, end, hidden, message):
+    with pytest.raises(StageError, match=message):
+        builtin.forward_stage(tokens, start, end, hidden)
+
+
+def test_stage_forwards_alongside_generations_leave_them_intact(builtin):
+    prompts = [[i, i + 1, i + 2] for i in range(10, 14)]
+    expected = [generate(builtin, p, 24) for p in prompts]
+    stage_token = builtin.forward_stage(prompts[0], 0, 10, None)
+    results: list = [None] * 4
+    stages: list = []
+
+    def gen(i):
+        results[i] = generate(builtin, prompts[i], 24)
+
+    threads = [threading.Thread(target=gen, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        stages.append(builtin.forward_stage(prompts[0], 0, 10, None))
+    for thread in threads:
+        thread.join()
+    assert results == expected
+    assert stages and all(s == stage_token for s in stages)

@@ -1,0 +1,297 @@
+"""The batching scheduler through the daemon interface: KV freed on cancel, deadline and a
+dropped callback; QoS queues; seeded sampling; counters; a failing step; close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from nodeagent import finish
+from nodeagent.daemon import GenerationError, GenExtras, StreamTooLong
+from nodeagent.engine.builtin import random_model
+from nodeagent.engine.model import ModelConfig
+from nodeagent.engine.torch_engine import TorchDaemon
+from nodeagent.wal import GenParams
+
+torch.set_num_threads(1)
+
+TINY = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+GREEDY = GenParams()
+SAMPLED = GenParams(temperature=1.0, top_p=0.95, min_p=0.01, top_k=100)
+
+
+@pytest.fixture
+def make():
+    daemons = []
+
+    def build(max_batch=8, kv_blocks=256, **kwargs) -> TorchDaemon:
+        model = random_model(TINY, seed=5, std=0.1)
+        daemons.append(TorchDaemon(model, "tiny", max_batch=max_batch, kv_blocks=kv_blocks, **kwargs))
+        return daemons[-1]
+
+    yield build
+    for daemon in daemons:
+        daemon.close()
+
+
+def run(daemon, prompt=(1, 2, 3), params=GREEDY, max_tokens=16, deadline_ms=0, qos=0, on_tokens=None):
+    return daemon.generate_tokens_streaming(
+        list(prompt), params, max_tokens, deadline_ms, GenExtras(qos_class=qos), on_tokens or (lambda b: True)
+    )
+
+
+def in_threads(n: int, work) -> list:
+    results: list = [None] * n
+
+    def target(i: int) -> None:
+        results[i] = work(i)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def wait_until(condition, timeout=5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.002)
+    return condition()
+
+
+def pool_empty(daemon) -> bool:
+    stats = daemon.sched_stats()
+    return stats.pool_blocks_used == 0 and stats.lanes_active == 0
+
+
+def decoded_until_freed(daemon) -> int:
+    """Decode tokens the scheduler still ran, once the calls returned, before the pool emptied."""
+    before = daemon.sched_stats().decode_tokens
+    assert wait_until(lambda: pool_empty(daemon))
+    return daemon.sched_stats().decode_tokens - before
+
+
+#: Four lanes that stop: each may finish the step in flight, then its blocks are freed.
+FREED_WITHIN_ONE_STEP = 4 * 2
+
+
+def test_cancelled_generations_free_their_blocks(make):
+    daemon = make()
+
+    def cancel_after_three(i: int):
+        seen = []
+
+        def on_tokens(batch):
+            seen.extend(batch)
+            return len(seen) < 3
+
+        return run(daemon, prompt=[i % 200 + 1] * (i % 40 + 1), max_tokens=200, on_tokens=on_tokens)
+
+    results = []
+    for _ in range(25):
+        results += in_threads(4, cancel_after_three)
+        assert decoded_until_freed(daemon) <= FREED_WITHIN_ONE_STEP
+    assert len(results) == 100
+    assert all(r.finish == finish.CANCELLED and len(r.tokens) >= 3 for r in results)
+    assert daemon.sched_stats().pool_blocks_used == 0
+
+
+def test_expired_generations_free_their_blocks(make):
+    daemon = make()
+    delivered = []
+
+    def expire(i: int):
+        return run(daemon, prompt=[i + 1] * 30, max_tokens=250, deadline_ms=15, on_tokens=lambda b: delivered.append(b) or True)
+
+    results = []
+    for _ in range(25):
+        results += in_threads(4, expire)
+        assert decoded_until_freed(daemon) <= FREED_WITHIN_ONE_STEP
+    assert all(r.expired and r.tokens == [] and r.finish == finish.NONE for r in results)
+    assert delivered, "the deadlines should fall mid-stream"
+    assert daemon.sched_stats().pool_blocks_used == 0
+
+
+def test_a_raising_callback_frees_the_lane_and_propagates(make):
+    daemon = make()
+
+    def dropped(batch):
+        raise ConnectionResetError("peer went away")
+
+    with pytest.raises(ConnectionResetError):
+        run(daemon, max_tokens=200, on_tokens=dropped)
+    assert decoded_until_freed(daemon) <= 2
+
+
+def test_generation_waits_in_its_queue_for_blocks_and_higher_class_goes_first(make):
+    daemon = make(max_batch=2, kv_blocks=16)  # one full-window generation takes the whole pool
+    order = []
+
+    def first_token_logged(name):
+        def on_tokens(batch):
+            if name not in order:
+                order.append(name)
+            return True
+
+        return on_tokens
+
+    hog_started = threading.Event()
+
+    def hog(batch):
+        hog_started.set()
+        return True
+
+    big_prompt = list(range(1, 101))
+    hog_thread = threading.Thread(target=run, args=(daemon, big_prompt), kwargs={"max_tokens": 157, "on_tokens": hog})
+    hog_thread.start()
+    assert hog_started.wait(10)
+    background = threading.Thread(target=run, args=(daemon,), kwargs={"qos": 3, "on_tokens": first_token_logged("background")})
+    background.start()
+    assert wait_until(lambda: daemon.sched_stats().queue_depth[3] == 1)
+    chat = threading.Thread(target=run, args=(daemon,), kwargs={"qos": 0, "max_tokens": 157, "prompt": big_prompt, "on_tokens": first_token_logged("chat")})
+    chat.start()
+    assert wait_until(lambda: daemon.sched_stats().queue_depth == (1, 0, 0, 1))
+    assert daemon.sched_stats().lanes_active == 1
+    for thread in (hog_thread, chat, background):
+        thread.join(30)
+    assert order == ["chat", "background"]
+    assert wait_until(lambda: pool_empty(daemon))
+
+
+def test_a_deadline_passing_in_the_queue_leaves_the_queue(make):
+    daemon = make(max_batch=1)
+    holder = threading.Thread(target=run, args=(daemon,), kwargs={"max_tokens": 250})
+    holder.start()
+    assert wait_until(lambda: daemon.sched_stats().lanes_active == 1)
+    result = run(daemon, deadline_ms=20, qos=2)
+    assert result.expired
+    assert daemon.sched_stats().queue_depth == (0, 0, 0, 0)
+    holder.join(30)
+
+
+def test_seeded_sampling_is_the_same_alone_or_batched(make):
+    daemon = make()
+    seeded = GenParams(temperature=0.9, top_p=0.9, min_p=0.02, top_k=64, seed=1234)
+    alone = run(daemon, prompt=[9, 8, 7], params=seeded, max_tokens=48).tokens
+
+    def mixed(i: int):
+        if i == 0:
+            return run(daemon, prompt=[9, 8, 7], params=seeded, max_tokens=48).tokens
+        params = GREEDY if i % 2 else GenParams(temperature=1.3, seed=i)
+        return run(daemon, prompt=[i] * (i * 3), params=params, max_tokens=48).tokens
+
+    batched = in_threads(8, mixed)[0]
+    other_seed = run(daemon, prompt=[9, 8, 7], params=GenParams(temperature=0.9, top_p=0.9, min_p=0.02, top_k=64, seed=1235), max_tokens=48).tokens
+    assert batched == alone
+    assert other_seed != alone
+    greedy = run(daemon, prompt=[9, 8, 7], max_tokens=48).tokens
+    assert alone != greedy
+
+
+def test_decode_steps_batch_every_running_lane(make):
+    daemon = make()
+    widths = []
+    forward = daemon._scheduler._forward
+
+    def spy(gens, rows, counts):
+        widths.append((len(gens), max(counts)))
+        return forward(gens, rows, counts)
+
+    daemon._scheduler._forward = spy
+    before = daemon.sched_stats()
+    results = in_threads(8, lambda i: run(daemon, prompt=[i + 1] * 5, max_tokens=32))
+    after = daemon.sched_stats()
+    assert all(len(r.tokens) == 32 for r in results)
+    assert after.prefill_tokens - before.prefill_tokens == 8 * 5
+    assert after.decode_tokens - before.decode_tokens == 8 * 31
+    assert (8, 1) in widths, "the eight lanes should have shared decode steps"
+    assert sum(b for b, width in widths if width == 1) == 8 * 31
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make):
+    daemon = make(prefill_chunk=16)
+    steps = []
+    forward = daemon._scheduler._forward
+
+    def spy(gens, rows, counts):
+        steps.append("prefill" if max(counts) > 1 or gens[0].prefilling else "decode")
+        return forward(gens, rows, counts)
+
+    daemon._scheduler._forward = spy
+    started = threading.Event()
+    runner = threading.Thread(target=run, args=(daemon,), kwargs={"max_tokens": 250, "on_tokens": lambda b: started.set() or True})
+    runner.start()
+    assert started.wait(10)
+    steps.clear()
+    result = run(daemon, prompt=list(range(1, 161)), max_tokens=4)
+    runner.join(30)
+    assert len(result.tokens) == 4
+    prefill_at = [i for i, step in enumerate(steps) if step == "prefill"]
+    assert len(prefill_at) == 10
+    assert all(steps[i + 1] == "decode" for i in prefill_at[:-1]), steps
+
+
+def test_limits_of_the_stream(make):
+    daemon = make()
+    window = daemon.max_stream_tokens()
+    assert window == TINY.max_position_embeddings
+    with pytest.raises(GenerationError, match="session has no content to generate from"):
+        run(daemon, prompt=[])
+    with pytest.raises(StreamTooLong) as caught:
+        run(daemon, prompt=[1] * (window + 1))
+    assert str(caught.value).startswith(f"this model's maximum context length is {window} tokens, but your request has {window + 1} tokens")
+    full = run(daemon, prompt=[1] * window, max_tokens=10)
+    assert len(full.tokens) == 1 and full.finish == finish.LENGTH
+    assert run(daemon, max_tokens=0) == run(daemon, max_tokens=0)
+    assert run(daemon, max_tokens=0).tokens == [] and run(daemon, max_tokens=0).finish == finish.LENGTH
+    with pytest.raises(GenerationError, match="vocabulary"):
+        run(daemon, prompt=[1, 256])
+
+
+def test_a_failing_step_fails_its_generations_and_the_scheduler_goes_on(make):
+    daemon = make()
+    layer = daemon.model.layer
+    failing = threading.Event()
+    failing.set()
+
+    def flaky(*args):
+        if failing.is_set():
+            raise RuntimeError("simulated kernel failure")
+        return layer(*args)
+
+    daemon.model.layer = flaky
+    with pytest.raises(GenerationError, match="simulated kernel failure"):
+        run(daemon)
+    assert wait_until(lambda: pool_empty(daemon))
+    failing.clear()
+    assert len(run(daemon).tokens) == 16
+
+
+def test_close_cancels_running_generations(make):
+    daemon = make()
+    started = threading.Event()
+    results = []
+    runner = threading.Thread(target=lambda: results.append(run(daemon, max_tokens=250, on_tokens=lambda b: started.set() or True)))
+    runner.start()
+    assert started.wait(10)
+    daemon.close()
+    runner.join(10)
+    assert results[0].finish == finish.CANCELLED
+    with pytest.raises(GenerationError, match="closed"):
+        run(daemon)
