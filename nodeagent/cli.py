@@ -25,9 +25,6 @@ DEFAULT_LANES = 8
 DEFAULT_MOCK_CONTEXT = 4096
 MIN_CONTEXT = 512
 DEVICES = ("auto", "cpu", "cuda")
-#: Handshakes in progress at once; past this a connection is closed before its handshake, so a
-#: burst of connects (a port scan) cannot hold a thread each for the handshake timeout.
-MAX_HANDSHAKES = 64
 #: ASCII whitespace as Rust's `trim_ascii` sees it (no vertical tab).
 ASCII_WHITESPACE = b" \t\n\r\x0c"
 
@@ -91,10 +88,6 @@ class Options:
     token_delay_ms: int = 0
 
 
-def _text(v: str) -> str:
-    return v
-
-
 def _count(v: str) -> int:
     """An unsigned integer, as Rust parses a `u32`/`u64` flag."""
     if not re.fullmatch(r"\+?[0-9]+", v):
@@ -117,15 +110,15 @@ def _device(v: str) -> str:
 
 #: flag -> (field, parser); a parser of None marks a switch.
 FLAGS = {
-    "--listen": ("listen", _text),
-    "--model": ("model", _text),
-    "--runtime": ("runtime", _text),
-    "--engine": ("runtime", _text),
+    "--listen": ("listen", str),
+    "--model": ("model", str),
+    "--runtime": ("runtime", str),
+    "--engine": ("runtime", str),
     "--max-context": ("max_context", _signed),
     "--max-batch": ("max_batch", _count),
-    "--identity": ("identity", _text),
-    "--model-name": ("model_name", _text),
-    "--auth-file": ("auth_file", _text),
+    "--identity": ("identity", str),
+    "--model-name": ("model_name", str),
+    "--auth-file": ("auth_file", str),
     "--insecure-no-auth": ("insecure_no_auth", None),
     "--offline": ("offline", None),
     "--handshake-timeout-ms": ("handshake_timeout_ms", _count),
@@ -309,7 +302,7 @@ def run(opts: Options) -> int:
         daemon = load(opts, pick_runtime(opts))
         say(daemon.summary())
         listener.listen(128)
-        from nodeagent.noded import Node
+        from nodeagent.noded import Node  # here: it imports this module, and the wire stack
 
         node = Node(daemon, opts, token, identity(opts))
         node.catch_signals()

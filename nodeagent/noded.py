@@ -17,11 +17,14 @@ from linkf.driver import Endpoint
 from linkf.errors import LinkFError
 from linkf.secure import NoiseRole
 from nodeagent.agent import NodeAgent
-from nodeagent.cli import MAX_HANDSHAKES, Options, say, show_addr
+from nodeagent.cli import Options, say, show_addr
 from nodeagent.daemon import Daemon, DaemonError
 
 log = logging.getLogger("nodeagent.noded")
 
+#: Handshakes in progress at once; past this a connection is closed before its handshake, so a
+#: burst of connects (a port scan) cannot hold a thread each for the handshake timeout.
+MAX_HANDSHAKES = 64
 #: How often the accept loop looks for a stop signal, and a drain at its generations.
 POLL_S = 0.1
 
