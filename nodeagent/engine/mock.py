@@ -113,6 +113,7 @@ class _Lanes:
             self._cond.notify()
 
     def stats(self) -> SchedStats:
+        """The counters now; pages past the pool's 1024 read as a full pool, never more."""
         with self._cond:
             return SchedStats(
                 decode_tokens=self._decoded,
