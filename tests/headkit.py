@@ -126,6 +126,7 @@ class Head:
         self.endpoint, self.node = _open(
             self.addr, self.auth, self.noise, self.versions, LinkRole.HeadDaemon, timeout, 5.0
         )
+        start = len(self.received)
         self.endpoint.send(msg_type.RECONCILE, self.session.reconcile())
         ack = self.wait_for(msg_type.RECONCILE_ACK, timeout).msg
         owed = {
@@ -134,7 +135,7 @@ class Head:
             for r in s.retry_ranges
             for seq in range(r.from_seq, r.to_seq + 1)
         }
-        self.until(lambda: owed <= self._seen_events(), timeout, "the retransmitted events")
+        self.until(lambda: owed <= self._events_since(start), timeout, "the retransmitted events")
         return ack
 
     def close(self) -> None:
@@ -285,8 +286,13 @@ class Head:
             for ack in self.session.on_token_events(msg):
                 self.endpoint.send(msg_type.WATERMARK_ACK, ack)
 
-    def _seen_events(self) -> set[tuple[int, int, int]]:
-        return {(e.session_id, e.generation_id, e.event_seq) for g in self.generations.values() for e in g.events}
+    def _events_since(self, start: int) -> set[tuple[int, int, int]]:
+        return {
+            (e.session_id, e.generation_id, e.event_seq)
+            for r in self.received[start:]
+            if r.frame.msg_type == msg_type.TOKEN_EVENTS
+            for e in r.msg.events
+        }
 
 
 def _open(addr, auth: bytes, noise: bool, versions, role, timeout: float, heartbeat: float):
