@@ -61,6 +61,14 @@ class _Plain:
         return self.sock.recv(_READ) or None
 
 
+def _nodelay(sock: socket.socket) -> None:
+    """Frames leave at once. A socket too dead for this fails its first read or write instead."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+
+
 def _peer_of(sock: socket.socket) -> str:
     try:
         addr = sock.getpeername()
@@ -99,7 +107,7 @@ class Endpoint:
 
     @classmethod
     def from_tcp(cls, sock: socket.socket) -> Endpoint:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _nodelay(sock)
         return cls(_Plain(sock), _peer_of(sock))
 
     @classmethod
@@ -114,7 +122,7 @@ class Endpoint:
         another secret is ``Unauthorized`` (the initiator sees the refusing peer hang up:
         ``Closed``); no handshake within ``handshake_timeout`` (None or 0: no limit) is
         ``TimedOut``. ``sock`` is closed when the handshake fails."""
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _nodelay(sock)
         peer = _peer_of(sock)
         return cls(SecureStream.handshake(sock, key_from(secret), role, handshake_timeout, peer), peer)
 

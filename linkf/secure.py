@@ -15,7 +15,7 @@ import time
 
 from cryptography.exceptions import InvalidTag
 from noise.connection import NoiseConnection
-from noise.exceptions import NoiseInvalidMessage
+from noise.exceptions import NoiseInvalidMessage, NoiseValueError
 
 from .errors import Closed, Io, TimedOut, Unauthorized
 
@@ -24,8 +24,9 @@ MAX_MESSAGE = 65535
 TAG = 16
 MAX_PLAINTEXT = MAX_MESSAGE - TAG
 _LEN = struct.Struct(">H")
-# What a wrong pre-shared key surfaces as, from noiseprotocol or from cryptography below it.
-_REFUSED = (InvalidTag, NoiseInvalidMessage)
+# What a wrong pre-shared key (or a message too short to be Noise) surfaces as, from
+# noiseprotocol or from cryptography below it.
+_REFUSED = (InvalidTag, NoiseInvalidMessage, NoiseValueError)
 
 
 class NoiseRole(enum.Enum):

@@ -156,3 +156,11 @@ def test_plaintext_is_cut_into_noise_sized_pieces():
     assert first == MAX_PLAINTEXT + TAG
     second = int.from_bytes(raw[2 + first : 4 + first], "big")
     assert second == 1 + TAG
+
+
+def test_a_first_message_too_short_to_be_noise_is_refused():
+    x, y = socket.socketpair()
+    node = run(lambda: SecureStream.handshake(y, key_from(b"token"), NoiseRole.Responder, TIMEOUT))
+    x.sendall(b"\x00\x03abc")
+    with pytest.raises(Unauthorized):
+        node()
