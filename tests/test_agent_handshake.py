@@ -7,6 +7,7 @@ import time
 import pytest
 from headkit import LEASE, Head, hung_up, mock_tokens, raw_connect
 
+from linkf.driver import Endpoint
 from linkf.errors import LinkFError
 from nodeagent.agent import FINISH_DECLINED
 from nodeagent.wal import GenParams
@@ -104,3 +105,12 @@ def test_a_request_for_a_session_before_any_assign_is_declined_not_dropped(node)
         head.session.assign_session(5, 1, LEASE, 0, "mock")  # the node never hears of it
         g = head.generate(5, 4)
         assert g.finish == FINISH_DECLINED and g.tokens == []
+
+
+def test_a_zero_handshake_timeout_waits_for_hello_forever(start_node):
+    node = start_node(handshake_s=0)
+    sock = raw_connect(node.addr)
+    assert not hung_up(sock, 0.6), "a slow head was dropped"
+    endpoint = Endpoint.from_tcp(sock)
+    assert endpoint.hello_as_head(b"", 2.0).node_identity == "node-a"
+    endpoint.close()

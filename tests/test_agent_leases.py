@@ -7,6 +7,7 @@ import time
 
 from headkit import Head, mock_tokens
 
+from nodeagent import finish
 from nodeagent.agent import FINISH_DECLINED
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
@@ -93,3 +94,22 @@ def test_an_expired_lease_fences_the_session_which_goes_silent(start_node, caplo
         head.assign(2, GenParams())
         head.append(2, [4, 5])
         assert head.generate(2, 4).tokens == mock_tokens([4, 5], 4), "the connection still serves"
+
+
+def test_a_fenced_generation_that_has_sent_nothing_is_dropped_at_once(start_node):
+    daemon = MockDaemon(max_lanes=1, token_delay_s=0.01)
+    node = start_node(daemon)
+    with Head.connect(node.addr) as a, Head.connect(node.addr) as b:
+        a.assign(1, GenParams())
+        a.append(1, [1])
+        holding = a.request(1, 1000)  # takes the only lane
+        a.until(lambda: daemon.sched_stats().lanes_active == 1, 2.0, "the lane taken")
+        b.grant_renewals = False
+        b.assign(2, GenParams(), Lease(duration_ms=300, renew_by_ms=100))
+        b.append(2, [2])
+        queued = b.request(2, 4)
+        b.until(lambda: node.agent.running_generations() == 2, 2.0, "both generations running")
+        b.until(lambda: node.agent.running_generations() == 1, 1.0, "the fenced run dropped")
+        assert (2, queued.generation_id) not in b.generations, "it sent nothing"
+        a.cancel(holding)
+        assert a.collect(holding).finish == finish.CANCELLED
