@@ -10,8 +10,11 @@ Decoding takes `(data, offset)` and returns `(value, next_offset)`; every failur
 `PostcardError` naming the field path and the byte offset.
 """
 
+import bisect
 import dataclasses
 import enum
+import operator
+from array import array
 from struct import Struct
 from struct import error as StructError
 
@@ -65,12 +68,16 @@ def _eof(offset):
     return PostcardError("unexpected end of input", offset)
 
 
-def _as_error(exc, offset=None):
-    """The `PostcardError` for `exc`, raised while writing or (with `offset`) reading a value."""
+def _as_error(exc, data=None):
+    """The `PostcardError` for `exc`, raised while writing a value or reading one from `data`.
+
+    Reading validates every length against the input first, so an index past the end always
+    means the input ended: at `len(data)`.
+    """
     if isinstance(exc, PostcardError):
         return exc
-    if offset is not None and isinstance(exc, (IndexError, StructError)):
-        return _eof(offset)
+    if data is not None and isinstance(exc, (IndexError, StructError)):
+        return _eof(len(data))
     return PostcardError(f"cannot encode: {type(exc).__name__}: {exc}")
 
 
@@ -82,47 +89,55 @@ _DECODE_ERRORS = (PostcardError, IndexError, StructError)
 
 _SMALL = 1 << 14
 _VARINT = [bytes([v]) if v < 0x80 else bytes([v & 0x7F | 0x80, v >> 7]) for v in range(_SMALL)]
+# The first two bytes of every longer varint, by its low 14 bits.
+_LOW14 = [bytes([v & 0x7F | 0x80, v >> 7 | 0x80]) for v in range(_SMALL)]
 
 
 def _write_varint(v, bits):
     """The LEB128 bytes of `v`, which must be an int in the unsigned `bits`-bit range."""
-    if not isinstance(v, int):
-        raise PostcardError(f"expected an int for u{bits}, got {type(v).__name__}")
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise PostcardError(f"expected an int for u{bits}, got {type(v).__name__}") from None
     if not 0 <= v < 1 << bits:
         raise PostcardError(f"{v} is out of the u{bits} range")
-    out = bytearray()
-    while v >= 0x80:
-        out.append(v & 0x7F | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
+    out = b""
+    while v >= _SMALL:
+        out += _LOW14[v & 0x3FFF]
+        v >>= 14
+    return out + _VARINT[v]
 
 
-def _varint_reader(bits):
-    """A reader of a `bits`-bit varint at `p` of `d`: at most ceil(bits/7) bytes, the last one
-    holding only the bits that remain."""
+def _varint_reader(bits, start=0):
+    """A reader of a `bits`-bit varint at `p` of `d`, returning it and the offset after it: at
+    most ceil(bits/7) bytes, the last one holding only the bits that remain.
+
+    With `start`, the reader takes `(d, p, v)`: its first `start` bytes are already read into `v`.
+    It is generated unrolled, one step a byte, which costs half what a loop does in Python.
+    """
     size = -(-bits // 7)
     last_max = (1 << (bits - 7 * (size - 1))) - 1
-
-    def read(d, p):
-        v = shift = 0
-        end = len(d)
-        for q in range(p, p + size):
-            if q >= end:
-                raise _eof(q)
-            b = d[q]
-            v |= (b & 0x7F) << shift
-            if b < 0x80:
-                if q == p + size - 1 and b > last_max:
-                    raise PostcardError(f"varint above the u{bits} range", p)
-                return v, q + 1
-            shift += 7
-        raise PostcardError(f"varint longer than {size} bytes", p)
-
-    return read
+    src = ["def read(d, p, v=0):", "    try:"]
+    for i in range(start, size):
+        src += [f"        b = d[p + {i}]", "        if b < 0x80:"]
+        if i == size - 1:
+            src.append(f"            if b > {last_max}: raise PostcardError('varint above the u{bits} range', p)")
+        src += [f"            return v | b << {7 * i}, p + {i + 1}", f"        v |= (b & 0x7F) << {7 * i}"]
+    src += [
+        "    except IndexError:",
+        "        raise _eof(len(d)) from None",
+        f"    raise PostcardError('varint longer than {size} bytes', p)",
+    ]
+    ns = {"PostcardError": PostcardError, "_eof": _eof}
+    exec(compile("\n".join(src), f"<varint u{bits}>", "exec"), ns)
+    return ns["read"]
 
 
-_read_len = _varint_reader(64)
+def _read_len(d, p):
+    """A length prefix (a `usize`, written as a u64 varint)."""
+    if p < len(d) and d[p] < 0x80:
+        return d[p], p + 1
+    return U64.decode(d, p)
 
 
 def _read_span(d, p):
@@ -140,9 +155,9 @@ class WireType:
     """How one Rust type is written; `name` spells it as Rust does, for messages.
 
     `enc_src` / `dec_src` give the source lines a compiled struct inlines for a field of this
-    type: writing local `x` to bytearray `out`, or reading `x` from bytes `d` at offset `p` and
-    advancing `p`. `ref(obj)` names `obj` in the compiled code's namespace. The default calls the
-    type's own `encode` / `decode`.
+    type: writing local `x` to bytearray `out`, or reading local `to` from bytes `d` at offset `p`
+    and advancing `p`. `ref(obj)` names `obj` in the compiled code's namespace. The default calls
+    the type's own `encode` / `decode`.
     """
 
     name = "?"
@@ -159,8 +174,8 @@ class WireType:
     def enc_src(self, ref):
         return [f"{ref(self.encode)}(x, out)"]
 
-    def dec_src(self, ref):
-        return [f"x, p = {ref(self.decode)}(d, p)"]
+    def dec_src(self, ref, to):
+        return [f"{to}, p = {ref(self.decode)}(d, p)"]
 
     def __repr__(self):
         return self.name
@@ -171,6 +186,7 @@ class _Varint(WireType):
         self.name = f"u{bits}"
         self.bits = bits
         self.read = _varint_reader(bits)
+        self.read_rest = _varint_reader(bits, 3) if bits > 21 else None
 
     def zero(self):
         return 0
@@ -190,8 +206,28 @@ class _Varint(WireType):
     def enc_src(self, ref):
         return [f"out += _VARINT[x] if 0 <= x < {_SMALL} else {ref(self.write)}(x)"]
 
-    def dec_src(self, ref):
-        return ["x = d[p]", "if x < 0x80: p += 1", f"else: x, p = {ref(self.read)}(d, p)"]
+    def dec_src(self, ref, to):
+        """One- and two-byte varints inline, and three-byte ones unless that is the last byte
+        (where `- 0x4080` drops the two continuation bits)."""
+        src = [
+            f"{to} = d[p]",
+            f"if {to} < 0x80:",
+            "    p += 1",
+            "else:",
+            "    c = d[p + 1]",
+            "    if c < 0x80:",
+            f"        {to} = {to} & 0x7F | c << 7",
+            "        p += 2",
+        ]
+        if self.bits <= 21:
+            return src + ["    else:", f"        {to}, p = {ref(self.read)}(d, p)"]
+        return src + [
+            "    elif (e := d[p + 2]) < 0x80:",
+            f"        {to} += (c << 7) + (e << 14) - 0x4080",
+            "        p += 3",
+            "    else:",
+            f"        {to}, p = {ref(self.read_rest)}(d, p, {to} & 0x7F | (c & 0x7F) << 7 | (e & 0x7F) << 14)",
+        ]
 
 
 class _U8(WireType):
@@ -211,8 +247,8 @@ class _U8(WireType):
     def enc_src(self, ref):
         return ["out.append(x)"]
 
-    def dec_src(self, ref):
-        return ["x = d[p]", "p += 1"]
+    def dec_src(self, ref, to):
+        return [f"{to} = d[p]", "p += 1"]
 
 
 def _check_bool(b, p):
@@ -246,8 +282,8 @@ class _Bool(WireType):
     def enc_src(self, ref):
         return ["out += _write_bool(x)"]
 
-    def dec_src(self, ref):
-        return ["x = _check_bool(d[p], p)", "p += 1"]
+    def dec_src(self, ref, to):
+        return [f"{to} = _check_bool(d[p], p)", "p += 1"]
 
 
 _F32 = Struct("<f")
@@ -264,14 +300,14 @@ class _F32Type(WireType):
 
     def decode(self, d, p):
         if len(d) - p < 4:
-            raise _eof(p)
+            raise _eof(len(d))
         return _F32.unpack_from(d, p)[0], p + 4
 
     def enc_src(self, ref):
         return ["out += _F32.pack(x)"]
 
-    def dec_src(self, ref):
-        return ["x = _F32.unpack_from(d, p)[0]", "p += 4"]
+    def dec_src(self, ref, to):
+        return [f"{to} = _F32.unpack_from(d, p)[0]", "p += 4"]
 
 
 class _Str(WireType):
@@ -325,7 +361,7 @@ class _Array32(WireType):
 
     def decode(self, d, p):
         if len(d) - p < 32:
-            raise _eof(p)
+            raise _eof(len(d))
         return d[p : p + 32], p + 32
 
 
@@ -390,8 +426,53 @@ class _VecType(WireType):
         return out, p
 
 
+def _array_code(bits):
+    """The `array` type code of unsigned ints of `bits` bits."""
+    return next(code for code in "BHILQ" if array(code).itemsize * 8 == bits)
+
+
+# Varints of the values seen in token lists, up to this many: at most a vocabulary's worth.
+_VARINT_CACHE_MAX = 1 << 18
+
+
 class _VarintVec(_VecType):
-    """`Vec<u16|u32|u64>`, token lists above all, with the one-byte case read inline."""
+    """`Vec<u16|u32|u64>`, token lists above all.
+
+    Writing checks the whole list at once with `array` and joins cached varints in C; reading
+    handles the short varints inline. Any sequence of ints is written, bytes included.
+    """
+
+    def __init__(self, elem):
+        super().__init__(elem)
+        self.code = _array_code(elem.bits)
+        self.cache = dict(enumerate(_VARINT))
+
+    def encode(self, v, out):
+        n = len(v)
+        out += _VARINT[n] if n < _SMALL else _write_varint(n, 64)
+        try:
+            array(self.code, v)
+        except (TypeError, ValueError, OverflowError):
+            self._check_elements(v)
+        try:
+            out += b"".join(map(self.cache.__getitem__, v))
+        except KeyError:
+            out += self._encode_uncached(v)
+
+    def _encode_uncached(self, v):
+        cache, write = self.cache, self.elem.write
+        for x in v:
+            if x not in cache and len(cache) < _VARINT_CACHE_MAX:
+                cache[x] = write(x)
+        return b"".join([cache.get(x) or write(x) for x in v])
+
+    def _check_elements(self, v):
+        """Raises for the first element out of range, where `array` took `v` as a whole amiss."""
+        for i, x in enumerate(v):
+            try:
+                self.elem.write(x)
+            except PostcardError as e:
+                raise e.within(f"[{i}]") from None
 
     def decode(self, d, p):
         n, p = _read_len(d, p)
@@ -400,22 +481,31 @@ class _VarintVec(_VecType):
         run = d[p : p + n]
         if run.isascii():
             return list(run), p + n
-        read = self.elem.read
-        out = []
-        append = out.append
-        for i in range(n):
-            if p >= len(d):
-                raise _eof(p).within(f"[{i}]")
-            b = d[p]
-            if b < 0x80:
-                append(b)
-                p += 1
-            else:
-                try:
-                    b, p = read(d, p)
-                except PostcardError as e:
-                    raise e.within(f"[{i}]") from None
-                append(b)
+        read, read_rest = self.elem.read, self.elem.read_rest
+        out = [0] * n
+        i = 0
+        try:
+            for i in range(n):
+                b = d[p]
+                if b < 0x80:
+                    p += 1
+                else:
+                    c = d[p + 1]
+                    if c < 0x80:
+                        b = b & 0x7F | c << 7
+                        p += 2
+                    elif not read_rest:
+                        b, p = read(d, p)
+                    elif (e := d[p + 2]) < 0x80:
+                        b = b & 0x7F | (c & 0x7F) << 7 | e << 14
+                        p += 3
+                    else:
+                        b, p = read_rest(d, p, b & 0x7F | (c & 0x7F) << 7 | (e & 0x7F) << 14)
+                out[i] = b
+        except IndexError:
+            raise _eof(len(d)).within(f"[{i}]") from None
+        except PostcardError as e:
+            raise e.within(f"[{i}]") from None
         return out, p
 
 
@@ -521,37 +611,59 @@ class _DataEnum(WireType):
     """A Rust enum with data: the variant index as a varint, then the variant's fields.
 
     Each variant is a dataclass; a newtype variant is one with a single field, which postcard
-    writes exactly as the wrapped value.
+    writes exactly as the wrapped value. An error's path goes on with the variant's fields.
     """
 
     def __init__(self, cls):
         self.cls = cls
         self.name = cls.__name__
         self.variants = cls._variants
-        self.index = {v: i for i, v in enumerate(self.variants)}
+        self.structs = [_struct_of(v) for v in self.variants]
+        self.writers = None
 
     def zero(self):
         return self.variants[0]()
 
+    def _writers(self):
+        """Each variant's index bytes and field encoder, by its class (made on first use, as
+        the variants compile then)."""
+        if self.writers is None:
+            self.writers = {
+                v: (_VARINT[i], s.compiled_encode()) for i, (v, s) in enumerate(zip(self.variants, self.structs))
+            }
+        return self.writers
+
     def encode(self, v, out):
-        i = self.index.get(type(v))
-        if i is None:
+        found = self._writers().get(type(v))
+        if found is None:
             raise PostcardError(f"expected a {self.name} variant, got {type(v).__name__}")
-        out += _VARINT[i]
-        try:
-            _struct_of(type(v)).encode(v, out)
-        except PostcardError as e:
-            raise e.within(f".{type(v).__name__}") from None
+        out += found[0]
+        found[1](v, out)
 
     def decode(self, d, p):
         i, q = U32.decode(d, p)
-        if i >= len(self.variants):
+        if i >= len(self.structs):
             raise PostcardError(f"unknown {self.name} variant {i}", p)
-        variant = self.variants[i]
-        try:
-            return _struct_of(variant).decode(d, q)
-        except PostcardError as e:
-            raise e.within(f".{variant.__name__}") from None
+        return self.structs[i].decode(d, q)
+
+    def enc_src(self, ref):
+        return [
+            f"w = {ref(self._writers())}.get(type(x))",
+            "if w is None:",
+            f"    {ref(self.encode)}(x, out)",
+            "else:",
+            "    out += w[0]",
+            "    w[1](x, out)",
+        ]
+
+    def dec_src(self, ref, to):
+        readers = tuple(s.compiled_decode() for s in self.structs)
+        return [
+            f"if d[p] < {len(readers)}:",
+            f"    {to}, p = {ref(readers)}[d[p]](d, p + 1)",
+            "else:",
+            f"    {to}, p = {ref(self.decode)}(d, p)",
+        ]
 
 
 # Structs
@@ -563,20 +675,38 @@ class _StructType(WireType):
     def __init__(self, cls):
         self.cls = cls
         self.name = cls.__name__
-        self.encode = self._compile_then("encode")
-        self.decode = self._compile_then("decode")
+        self.compiled = False
 
     def zero(self):
         return self.cls()
 
-    def _compile_then(self, which):
-        def first_call(*args):
-            self._compile()
-            return getattr(self, which)(*args)
+    def encode(self, v, out):
+        self._compile()
+        self.encode(v, out)
 
-        return first_call
+    def decode(self, d, p):
+        self._compile()
+        return self.decode(d, p)
+
+    def enc_src(self, ref):
+        return [f"{ref(self.compiled_encode())}(x, out)"]
+
+    def dec_src(self, ref, to):
+        return [f"{to}, p = {ref(self.compiled_decode())}(d, p)"]
+
+    def compiled_encode(self):
+        self._compile()
+        return self.encode
+
+    def compiled_decode(self):
+        self._compile()
+        return self.decode
 
     def _compile(self):
+        """Replaces `encode` and `decode` on this instance with the compiled functions."""
+        if self.compiled:
+            return
+        self.compiled = True
         fields = [(f.name, wire_type(f.type)) for f in dataclasses.fields(self.cls)]
         ns = {
             "_VARINT": _VARINT,
@@ -584,10 +714,11 @@ class _StructType(WireType):
             "_check_bool": _check_bool,
             "_write_bool": _write_bool,
             "_as_error": _as_error,
+            "_field_at": _field_at,
             "_ENCODE_ERRORS": _ENCODE_ERRORS,
             "_DECODE_ERRORS": _DECODE_ERRORS,
             "NEW": self.cls,
-            "FIELDS": tuple("." + name for name, _ in fields),
+            "_new": object.__new__,
         }
 
         def ref(obj):
@@ -595,26 +726,56 @@ class _StructType(WireType):
             ns[name] = obj
             return name
 
-        exec(_struct_source(fields, ref), ns)
+        source = _struct_source(fields, ref, _assigns_only(self.cls))
+        exec(compile(source, f"<postcard {self.name}>", "exec"), ns)
         self.encode, self.decode = ns["encode"], ns["decode"]
 
 
-def _struct_source(fields, ref):
-    enc = ["def encode(v, out):", "    i = 0", "    try:"]
-    dec = ["def decode(d, p):", "    i = 0", "    try:"]
+def _struct_source(fields, ref, assign):
+    """The source of `encode(v, out)` and `decode(d, p)` for a struct of `fields`; with
+    `assign`, decoding sets the fields on a bare instance rather than calling the class.
+
+    An error names its field from the line it came from (`_field_at`), so that the fast path
+    pays nothing for tracking where it is.
+    """
+    enc = ["def encode(v, out):", "    try:"]
+    dec = ["def decode(d, p):", "    try:"]
+    enc_starts, dec_starts = [], []
     for i, (name, t) in enumerate(fields):
-        enc += [f"        i = {i}", f"        x = v.{name}"]
-        enc += ["        " + line for line in t.enc_src(ref)]
-        dec += [f"        i = {i}"]
-        dec += ["        " + line for line in t.dec_src(ref)]
-        dec += [f"        x{i} = x"]
-    enc += ["    except _ENCODE_ERRORS as e:", "        raise _as_error(e).within(FIELDS[i]) from None"]
-    dec += ["    except _DECODE_ERRORS as e:", "        raise _as_error(e, p).within(FIELDS[i]) from None"]
-    dec += ["    return NEW(" + ", ".join(f"x{i}" for i in range(len(fields))) + "), p"]
+        enc_starts.append(len(enc) + 1)
+        enc += [f"        x = v.{name}"] + ["        " + line for line in t.enc_src(ref)]
+        dec_starts.append(len(dec) + 1)
+        dec += ["        " + line for line in t.dec_src(ref, f"x{i}")]
+    names = ref(tuple("." + name for name, _ in fields))
+    enc += [
+        "    except _ENCODE_ERRORS as e:",
+        f"        raise _as_error(e).within({names}[_field_at(e, {ref(enc_starts)})]) from None",
+    ]
+    dec_starts = [len(enc) + line for line in dec_starts]
+    dec += [
+        "    except _DECODE_ERRORS as e:",
+        f"        raise _as_error(e, d).within({names}[_field_at(e, {ref(dec_starts)})]) from None",
+    ]
+    if assign:
+        dec += ["    o = _new(NEW)"] + [f"    o.{name} = x{i}" for i, (name, _) in enumerate(fields)]
+        dec += ["    return o, p"]
+    else:
+        dec += ["    return NEW(" + ", ".join(f"x{i}" for i in range(len(fields))) + "), p"]
     if not fields:
         enc = ["def encode(v, out):", "    pass"]
         dec = ["def decode(d, p):", "    return NEW(), p"]
     return "\n".join(enc + dec) + "\n"
+
+
+def _assigns_only(cls):
+    """Whether `cls(*fields)` does nothing but set its fields, which a decoder can do itself
+    faster: a `struct`, not frozen, with no `__post_init__`."""
+    return "_postcard_struct" in cls.__dict__ and not hasattr(cls, "__post_init__")
+
+
+def _field_at(exc, starts):
+    """The index of the field whose lines (starting at `starts`) `exc` came through."""
+    return bisect.bisect_right(starts, exc.__traceback__.tb_lineno) - 1
 
 
 _STRUCTS = {}
@@ -668,6 +829,7 @@ def struct(cls):
     for name, annotation in cls.__dict__.get("__annotations__", {}).items():
         if name not in cls.__dict__:
             setattr(cls, name, _zero_field(wire_type(annotation)))
+    cls._postcard_struct = True
     return dataclasses.dataclass(cls)
 
 
@@ -687,7 +849,8 @@ def data_enum(cls):
 
 def to_bytes(value, wire=None):
     """The postcard bytes of `value`, of type `wire` (by default its own class, a dataclass)."""
-    t = wire_type(type(value) if wire is None else wire)
+    t = _TYPES.get(type(value)) if wire is None else None
+    t = t or wire_type(type(value) if wire is None else wire)
     out = bytearray()
     try:
         t.encode(value, out)
@@ -699,7 +862,7 @@ def to_bytes(value, wire=None):
 def from_bytes(cls, data):
     """The `cls` value at the start of `data`; bytes after it are ignored, as Rust's
     `postcard::from_bytes` does."""
-    t = wire_type(cls)
+    t = _TYPES.get(cls) or wire_type(cls)
     if type(data) is not bytes:
         try:
             data = bytes(memoryview(data))

@@ -4,6 +4,7 @@ import dataclasses
 import enum
 import math
 
+import numpy as np
 import pytest
 
 from nodeagent.wal import GenParams
@@ -207,6 +208,22 @@ def test_vec_of_u32_with_all_sizes():
     assert from_bytes(Vec[U32], data) == tokens
 
 
+def test_vec_of_u16_checks_the_third_byte():
+    assert from_bytes(Vec[U16], h("02 ff ff 03 05")) == [65535, 5]
+    assert str(decode_error(Vec[U16], h("02 05 ff ff 04"))) == "Vec<u16>[1]: varint above the u16 range at offset 2"
+
+
+def test_vec_of_u32_takes_any_sequence_of_ints():
+    assert to_bytes((1, 300), Vec[U32]) == h("02 01 ac 02")
+    assert to_bytes([np.uint32(70000), np.int64(5)], Vec[U32]) == h("02 f0 a2 04 05")
+    assert to_bytes(b"ab", Vec[U32]) == to_bytes([0x61, 0x62], Vec[U32])
+    assert "Vec<u32>[1]" in str(encode_error([1, 2.0], Vec[U32]))
+
+
+def test_numpy_integers_encode_as_ints():
+    assert to_bytes(LeaseGrantMsg(session_id=np.int64(3), epoch=np.uint64(70000))) == h("03 f0 a2 04 00 00")
+
+
 def test_vec_element_errors_name_the_index():
     e = decode_error(Vec[U32], h("03 01 02 ff ff ff ff 1f"))
     assert str(e) == "Vec<u32>[2]: varint above the u32 range at offset 3"
@@ -313,12 +330,12 @@ def test_truncation_names_the_field_it_hit():
     assert str(e) == f"SessionAssignMsg.qos_class: unexpected end of input at offset {len(data) - 2}"
 
 
-def test_deep_paths_go_through_vecs_and_variants():
+def test_deep_paths_follow_the_python_attributes_through_vecs_and_variants():
     msg = TokenEventsMsg(events=[TokenEvent(), TokenEvent(payload=TokenEventPayload.Tokens(tokens=[1, 2]))])
     data = bytearray(to_bytes(msg))
     data[-1] = 0x80
     e = decode_error(TokenEventsMsg, bytes(data))
-    assert str(e) == f"TokenEventsMsg.events[1].payload.Tokens.tokens[1]: unexpected end of input at offset {len(data)}"
+    assert str(e) == f"TokenEventsMsg.events[1].payload.tokens[1]: unexpected end of input at offset {len(data)}"
 
 
 def test_bool_and_option_errors_inside_structs():
