@@ -212,3 +212,22 @@ def test_closing_the_connection_stops_its_generation(start_node):
     assert node.agent.running_generations() == 0
     assert daemon.sched_stats().decode_tokens < 1000
 
+
+
+class Crashes(MockDaemon):
+    """An engine with a bug: its worker dies without a result."""
+
+    def generate_tokens_streaming(self, stream, params, max_tokens, deadline_ms, extras, on_tokens):
+        raise RuntimeError("engine bug")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node):
+    node = start_node(Crashes())
+    with Head.connect(node.addr) as head:
+        placed(head, 1)
+        head.request(1, 4)
+        assert head.closed_by_node(3.0)
+    outcome = node.outcome()
+    assert isinstance(outcome, GenerationError) and "ended without a result" in str(outcome)
+    assert node.agent.running_generations() == 0 and node.agent.shared.busy.running == 0
