@@ -12,7 +12,7 @@ import torch
 
 from nodeagent.daemon import GenExtras, StageError, StageHidden, StageToken
 from nodeagent.engine import open_engine
-from nodeagent.engine.builtin import BUILTIN_CONFIG, builtin_model
+from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
 from nodeagent.wal import GenParams
 
 torch.set_num_threads(1)
@@ -35,13 +35,14 @@ def test_builtin_is_small_fast_to_build_and_always_the_same():
     started = time.monotonic()
     model = builtin_model(torch.float32, CPU)
     assert time.monotonic() - started < 3.0
-    params = sum(t.numel() for t in [model.embed_weight, model.norm]) + sum(
-        t.numel() for layer in model.layers for t in vars(layer).values() if t is not None
+    params = model.embed_weight.numel() + model.norm.numel() + sum(
+        t.numel() for layer in model.layers for t in vars(layer).values()
     )
     assert 15e6 < params < 25e6
     assert model.config.vocab_size == 32000
     again = builtin_model(torch.float32, CPU)
-    assert torch.equal(model.layers[3].qkv, again.layers[3].qkv)
+    assert torch.equal(model.layers[3].input_norm, again.layers[3].input_norm)
+    assert torch.equal(model.embed_weight, again.embed_weight)
 
 
 def test_builtin_daemon_describes_itself_and_generates(builtin):
@@ -60,7 +61,8 @@ def test_stage_zero_layers_is_the_embedding_on_the_wire(builtin):
     out = builtin.forward_stage([5, 6, 7], 0, 0, None)
     assert isinstance(out, StageHidden)
     rows = np.frombuffer(out.data, dtype="<f4").reshape(3, BUILTIN_CONFIG.hidden_size)
-    assert np.array_equal(rows, builtin.model.embed_weight[[5, 6, 7]].numpy())
+    embedding = random_tensors(BUILTIN_CONFIG, BUILTIN_SEED)["model.embed_tokens.weight"]
+    assert np.array_equal(rows, embedding[[5, 6, 7]].numpy())
 
 
 def test_stage_chain_of_several_hops_gives_the_whole_token(builtin):

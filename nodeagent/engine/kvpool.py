@@ -1,9 +1,10 @@
-"""A paged KV cache: per layer, a flat array of token slots grouped in 16-token blocks.
+"""A paged KV cache: per layer, 16-token blocks of K and V side by side.
 
 A generation owns a list of blocks; its position p lives in slot `block[p // 16] * 16 + p % 16`.
-One extra block past the end is scratch: padded query positions write there and padded key
-positions read from there, so a batch never needs a branch for ragged lanes. Only the scheduler
-thread allocates and releases.
+Writes address slots; reads fetch whole blocks, which copies 16 tokens per index. One extra
+block past the end is scratch: padded query positions write there and padded key positions read
+from there, so a batch never needs a branch for ragged lanes. Only the scheduler thread
+allocates and releases.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ class KVPool:
     ):
         if n_blocks < 1:
             raise ValueError("a KV pool needs at least one block")
-        slots = (n_blocks + 1) * BLOCK_TOKENS
-        self.k = torch.zeros(n_layers, slots, n_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        shape = (n_layers, n_blocks + 1, BLOCK_TOKENS, 2, n_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.total = n_blocks
+        self.scratch_block = n_blocks
         self.scratch_slot = n_blocks * BLOCK_TOKENS
         self._free = list(range(n_blocks - 1, -1, -1))
 
@@ -58,6 +59,17 @@ class KVPool:
 
     def release(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
+
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store kv [N,2,KV,hd] at `slots` [N]."""
+        self.kv[layer].view(-1, *kv.shape[1:]).index_copy_(0, slots, kv)
+
+    def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B,KV,T,hd] of `blocks` [B,nb], T = nb * 16."""
+        batch, n_blocks = blocks.shape
+        taken = self.kv[layer].index_select(0, blocks.flatten())
+        taken = taken.view(batch, n_blocks * BLOCK_TOKENS, *taken.shape[2:])
+        return taken[:, :, 0].transpose(1, 2), taken[:, :, 1].transpose(1, 2)
 
     def slots(self, blocks: list[int], n_tokens: int) -> torch.Tensor:
         """The slot of each position 0..n_tokens-1 for a generation owning `blocks` (CPU)."""

@@ -1,8 +1,9 @@
 """A Llama-family decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
 
-The weights are held fused (q/k/v as one matrix, gate/up as one) so a decode step costs few
-kernel launches; attention is a callback so the same layers serve the paged KV pool of the
-scheduler and the cache-free stage forward.
+Weights are held the way decode is fastest, not the way checkpoints store them: fused (q/k/v
+as one projection, gate/up as one), in the device's fastest matmul layout (`Linear`), and q/k
+rows reordered so rotary positions are one complex multiply. Attention is a callback so the
+same layers serve the scheduler's paged KV pool and the cache-free stage forward.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from nodeagent.engine.rope import apply_rope, inv_frequencies, rope_tables
+from nodeagent.engine.linear import Linear
+from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table, rotate_in_place
 
 
 @dataclass(frozen=True)
@@ -46,17 +48,15 @@ class TensorSource(Protocol):
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
-#: attend(layer, q [B,C,H,hd], k [B,C,KV,hd], v [B,C,KV,hd]) -> [B,C,H*hd]
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: attend(layer, q [B,C,H,hd], kv [B,C,2,KV,hd]) -> [B,C,H*hd]
+Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LlamaModel:
@@ -68,7 +68,7 @@ class LlamaModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
     ):
         self.config = config
         self.embed_weight = embed
@@ -76,6 +76,7 @@ class LlamaModel:
         self.norm = norm
         self.lm_head = lm_head
         self.inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self._q_width = config.n_heads * config.head_dim
         self._qk_width = (config.n_heads + config.n_kv_heads) * config.head_dim
         self.set_context(min(config.max_position_embeddings, 2048))
 
@@ -91,7 +92,7 @@ class LlamaModel:
     def from_source(
         cls, config: ModelConfig, source: TensorSource, dtype: torch.dtype, device: torch.device
     ) -> "LlamaModel":
-        """Build from Hugging Face-named tensors, fusing q/k/v and gate/up on the way."""
+        """Build from Hugging Face-named tensors, fusing and reordering on the way."""
 
         def take(name: str, *shape: int) -> torch.Tensor:
             return source.get(name, shape).to(dtype=dtype, device=device)
@@ -101,80 +102,79 @@ class LlamaModel:
         layers = [_layer_weights(c, source, i, take) for i in range(c.n_layers)]
         norm = take("model.norm.weight", c.hidden_size)
         if c.tie_word_embeddings:
-            lm_head = embed
-        else:
-            lm_head = take("lm_head.weight", c.vocab_size, c.hidden_size)
-        return cls(config, embed, layers, norm, lm_head)
+            return cls(config, embed, layers, norm, Linear(embed))
+        lm_head = take("lm_head.weight", c.vocab_size, c.hidden_size)
+        return cls(config, embed, layers, norm, Linear(lm_head))
 
     def set_context(self, n_positions: int) -> None:
-        """Size the rotary tables for positions 0..n_positions-1."""
+        """Size the rotary table for positions 0..n_positions-1."""
         self.context = n_positions
-        self._cos, self._sin = rope_tables(self.inv_freq, n_positions, self.dtype, self.device)
+        self._freqs = rope_table(self.inv_freq, n_positions, self.device)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [*positions.shape, 1, hd] for `positions`, ready to broadcast over heads."""
-        return self._cos[positions].unsqueeze(-2), self._sin[positions].unsqueeze(-2)
+    def rope(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rotations [*positions.shape, 1, hd/2] for `positions`, ready to broadcast over heads."""
+        return self._freqs[positions].unsqueeze(-2)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_weight)
 
-    def layer(
-        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        """One decoder layer on x [B,C,D]; cos/sin [B,C,1,hd] for the positions of x."""
+    def layer(self, index: int, x: torch.Tensor, freqs: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """One decoder layer on x [B,C,D]; `freqs` from `rope` for the positions of x."""
         c, w = self.config, self.layers[index]
         batch, chunk = x.shape[:2]
         h = F.rms_norm(x, (c.hidden_size,), w.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
-        qk = qkv[..., : self._qk_width].view(batch, chunk, c.n_heads + c.n_kv_heads, c.head_dim)
-        qk = apply_rope(qk, cos, sin)
-        v = qkv[..., self._qk_width :].view(batch, chunk, c.n_kv_heads, c.head_dim)
-        attn = attend(index, qk[:, :, : c.n_heads], qk[:, :, c.n_heads :], v)
-        x = x + F.linear(attn, w.o, w.o_bias)
+        qkv = w.qkv(h)
+        rotate_in_place(qkv[..., : self._qk_width].unflatten(-1, (-1, c.head_dim)), freqs)
+        q = qkv[..., : self._q_width].unflatten(-1, (c.n_heads, c.head_dim))
+        kv = qkv[..., self._q_width :].view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
+        x = x + w.o(attend(index, q, kv))
         h = F.rms_norm(x, (c.hidden_size,), w.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+        gate, up = w.gate_up(h).chunk(2, dim=-1)
+        return x + w.down(F.silu(gate) * up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head, in fp32 so sampling and argmax see full precision."""
         h = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
     def run_causal(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Layers [start, end) over x [1,N,D] at positions 0..N-1, with no KV cache."""
         n = x.shape[1]
-        cos, sin = self.rope(torch.arange(n, device=self.device).unsqueeze(0))
+        freqs = self.rope(torch.arange(n, device=self.device).unsqueeze(0))
         mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None, None]
 
-        def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
+        def attend(_: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            keys, values = kv.permute(2, 0, 3, 1, 4)
+            return grouped_attention(q, keys, values, mask)
 
         for index in range(start, end):
-            x = self.layer(index, x, cos, sin, attend)
+            x = self.layer(index, x, freqs, attend)
         return x
 
 
 def _layer_weights(
     c: ModelConfig, source: TensorSource, i: int, take: Callable[..., torch.Tensor]
 ) -> LayerWeights:
-    p = f"model.layers.{i}."
+    p, attn = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    attn = p + "self_attn."
+
+    def qkv_part(kind: str, suffix: str, *shape: int) -> torch.Tensor:
+        """q/k rows reordered into rotary pairs; v as stored."""
+        tensor = take(f"{attn}{kind}_proj.{suffix}", *shape)
+        heads = {"q": c.n_heads, "k": c.n_kv_heads}.get(kind)
+        return tensor if heads is None else interleave_pairs(tensor, heads, c.head_dim)
+
     qkv = torch.cat(
         [
-            take(attn + "q_proj.weight", q_rows, c.hidden_size),
-            take(attn + "k_proj.weight", kv_rows, c.hidden_size),
-            take(attn + "v_proj.weight", kv_rows, c.hidden_size),
+            qkv_part("q", "weight", q_rows, c.hidden_size),
+            qkv_part("k", "weight", kv_rows, c.hidden_size),
+            qkv_part("v", "weight", kv_rows, c.hidden_size),
         ]
     )
     qkv_bias = None
     if source.has("model.layers.0.self_attn.q_proj.bias"):
         qkv_bias = torch.cat(
-            [
-                take(attn + "q_proj.bias", q_rows),
-                take(attn + "k_proj.bias", kv_rows),
-                take(attn + "v_proj.bias", kv_rows),
-            ]
+            [qkv_part("q", "bias", q_rows), qkv_part("k", "bias", kv_rows), qkv_part("v", "bias", kv_rows)]
         )
     o_bias = None
     if source.has("model.layers.0.self_attn.o_proj.bias"):
@@ -187,33 +187,31 @@ def _layer_weights(
     )
     return LayerWeights(
         input_norm=take(p + "input_layernorm.weight", c.hidden_size),
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        o=take(attn + "o_proj.weight", c.hidden_size, q_rows),
-        o_bias=o_bias,
+        qkv=Linear(qkv, qkv_bias),
+        o=Linear(take(attn + "o_proj.weight", c.hidden_size, q_rows), o_bias),
         post_norm=take(p + "post_attention_layernorm.weight", c.hidden_size),
-        gate_up=gate_up,
-        down=take(p + "mlp.down_proj.weight", c.hidden_size, c.intermediate_size),
+        gate_up=Linear(gate_up),
+        down=Linear(take(p + "mlp.down_proj.weight", c.hidden_size, c.intermediate_size)),
     )
 
 
 def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """Grouped-query attention without copying K/V per query head.
 
-    q [B,C,H,hd]; k, v [B,KV,T,hd]; mask [B,1,C,T] bool (True = attend). The G = H/KV query
-    heads that share a K/V head are folded into the query axis, so one SDPA call covers them.
+    q [B,C,H,hd]; keys, values [B,KV,T,hd]; mask [B,1,C,T] bool (True = attend). The G = H/KV
+    query heads sharing a K/V head are folded into the query axis, so one SDPA call covers them.
     Returns [B,C,H*hd].
     """
     batch, chunk, n_heads, head_dim = q.shape
-    n_kv = k.shape[1]
+    n_kv = keys.shape[1]
     group = n_heads // n_kv
     qg = q.reshape(batch, chunk, n_kv, group, head_dim).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(batch, n_kv, group * chunk, head_dim)
     if chunk > 1:
         mask = mask.unsqueeze(2).expand(batch, 1, group, chunk, mask.shape[-1])
         mask = mask.reshape(batch, 1, group * chunk, -1)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
     out = out.view(batch, n_kv, group, chunk, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, chunk, n_heads * head_dim)

@@ -1,4 +1,5 @@
-"""Rotary position tables, computed as Hugging Face computes them so logits agree with it."""
+"""Rotary positions: frequencies as Hugging Face computes them, so logits agree with it, applied
+as one complex multiply on q/k rows reordered into pairs at load."""
 
 from __future__ import annotations
 
@@ -51,18 +52,30 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(
-    inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [n_positions, head_dim], in the half-split layout Llama uses."""
-    positions = torch.arange(n_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+def rope_table(
+    inv_freq: torch.Tensor, n_positions: int, device: torch.device
+) -> torch.Tensor:
+    """cos + i·sin of every position's angles, complex64 [n_positions, head_dim // 2]."""
+    angles = torch.outer(torch.arange(n_positions, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [..., heads, head_dim] by `cos`/`sin` broadcast over the heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def interleave_pairs(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder q/k projection rows from Hugging Face's half-split rotary layout to pairs.
+
+    HF rotates dimension j with j + head_dim/2; after this reordering the two sit side by side,
+    so the rotation is one complex multiply. q and k are reordered alike, so q·k is unchanged.
+    """
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    per_head = rows.reshape(n_heads, head_dim, *rows.shape[1:])
+    return per_head[:, order].reshape(rows.shape)
+
+
+def rotate_in_place(qk: torch.Tensor, freqs: torch.Tensor) -> None:
+    """Rotate qk [..., heads, head_dim] (paired layout) by complex `freqs` [..., 1, head_dim/2]."""
+    if qk.dtype == torch.float32:
+        torch.view_as_complex(qk.unflatten(-1, (-1, 2))).mul_(freqs)
+        return
+    rotated = torch.view_as_complex(qk.float().unflatten(-1, (-1, 2))) * freqs
+    qk.copy_(torch.view_as_real(rotated).flatten(-2))

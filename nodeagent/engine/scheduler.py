@@ -20,7 +20,7 @@ import torch
 
 from nodeagent import finish
 from nodeagent.daemon import QOS_CLASSES, GenerationError, SchedStats
-from nodeagent.engine.kvpool import KVPool, blocks_for
+from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for
 from nodeagent.engine.model import LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
 
@@ -91,7 +91,10 @@ class Scheduler:
         self._slot_table = torch.full(
             (max_batch, max_context), pool.scratch_slot, dtype=torch.long, device=device
         )
-        self._positions = torch.arange(max_context, device=device)
+        self._block_table = torch.full(
+            (max_batch, blocks_for(max_context)), pool.scratch_block, dtype=torch.long, device=device
+        )
+        self._positions = torch.arange(blocks_for(max_context) * BLOCK_TOKENS, device=device)
         self._lanes: list[Generation | None] = [None] * max_batch
         self._queues: list[collections.deque[Generation]] = [
             collections.deque() for _ in range(QOS_CLASSES)
@@ -191,9 +194,11 @@ class Scheduler:
 
     def _start(self, gen: Generation, lane: int, blocks: list[int]) -> None:
         gen.state, gen.lane, gen.blocks = RUNNING, lane, blocks
-        row = self._slot_table[lane]
-        row.fill_(self.pool.scratch_slot)
-        row[: gen.kv_tokens] = self.pool.slots(blocks, gen.kv_tokens).to(row.device)
+        slots, table = self._slot_table[lane], self._block_table[lane]
+        slots.fill_(self.pool.scratch_slot)
+        slots[: gen.kv_tokens] = self.pool.slots(blocks, gen.kv_tokens).to(slots.device)
+        table.fill_(self.pool.scratch_block)
+        table[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         self._lanes[lane] = gen
 
     def _pick_prefill(self, waiting: list[Generation]) -> list[tuple[Generation, int]]:
@@ -254,23 +259,20 @@ class Scheduler:
             valid = self._positions[:width] < torch.tensor(counts, device=device)[:, None]
             write = write.masked_fill(~valid, pool.scratch_slot)
             positions = positions.masked_fill(~valid, 0)
-        span = max(g.n_cached + c for g, c in zip(gens, counts))
-        gather = self._slot_table.index_select(0, lanes)[:, :span]
-        mask = (self._positions[:span] <= positions[:, :, None]).unsqueeze(1)
+        n_blocks = blocks_for(max(g.n_cached + c for g, c in zip(gens, counts)))
+        blocks = self._block_table.index_select(0, lanes)[:, :n_blocks]
+        mask = (self._positions[: n_blocks * BLOCK_TOKENS] <= positions[:, :, None]).unsqueeze(1)
         write = write.reshape(-1)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = pool.k[layer], pool.v[layer]
-            k_cache.index_copy_(0, write, k.reshape(-1, *k.shape[2:]))
-            v_cache.index_copy_(0, write, v.reshape(-1, *v.shape[2:]))
-            keys = k_cache[gather].transpose(1, 2)
-            values = v_cache[gather].transpose(1, 2)
+        def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
+            keys, values = pool.read(layer, blocks)
             return grouped_attention(q, keys, values, mask)
 
         x = model.embed(tokens)
-        cos, sin = model.rope(positions)
+        freqs = model.rope(positions)
         for layer in range(model.config.n_layers):
-            x = model.layer(layer, x, cos, sin, attend)
+            x = model.layer(layer, x, freqs, attend)
         if width == 1:
             last = x[:, 0]
         else:

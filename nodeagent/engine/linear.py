@@ -1,0 +1,39 @@
+"""Projections `x @ W.T + b` with W kept in the layout its device multiplies fastest.
+
+On CPU (fp32) the weight is pre-packed for oneDNN: measured on the bench machine, that runs the
+few-row matmuls of batched decode 2-3x faster than the MKL path of `F.linear`, and single-row
+decode no slower. Elsewhere (CUDA, or a torch without oneDNN) `F.linear` is the fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: The batch size oneDNN lays the packed weight out for; any row count works with it.
+PACKED_FOR_ROWS = 8
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """One projection. `weight` is [out, in] as checkpoints store it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = can_pack(weight.device, weight.dtype)
+        if self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+        else:
+            self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features + (0 if self.bias is None else self.bias.numel())
