@@ -327,7 +327,7 @@ class NodeAgent:
             try:
                 endpoint.answer_hello_as_agent(self.ackf(), self.auth, self.handshake_timeout or None)
             except LinkFError.TimedOut:
-                log.warning("node-agent dropped a silent connection (no Hello)", extra=_fields(peer=endpoint.peer))
+                log.warning("node-agent dropped a silent connection (no Hello)")
                 return
             if self.idle_timeout:
                 heartbeat = min(Liveness.DEFAULT.heartbeat, self.idle_timeout / 3)
@@ -360,7 +360,7 @@ class NodeAgent:
             except LinkFError.TimedOut:
                 log.warning(
                     "node-agent dropped a connection the head went silent on",
-                    extra=_fields(quiet_ms=int(endpoint.quiet_for() * 1000), peer=endpoint.peer),
+                    extra=_fields(quiet_ms=int(endpoint.quiet_for() * 1000)),
                 )
                 return
             for frame in frames:
@@ -373,7 +373,7 @@ class NodeAgent:
                 and self.idle_timeout
                 and endpoint.quiet_for() >= self.idle_timeout
             ):
-                log.info("node-agent dropped an idle connection", extra=_fields(peer=endpoint.peer))
+                log.info("node-agent dropped an idle connection")
                 return
 
     def renew(self, endpoint: Endpoint, now: int) -> None:
