@@ -125,6 +125,7 @@ def test_context_window_follows_the_checkpoint_and_the_budget(tmp_path, tensors)
         ("bad_json", "config.json is not valid JSON"),
         ("missing_key", "config.json lacks hidden_size"),
         ("unknown_rope", "unsupported rope_scaling type 'yarn'"),
+        ("foreign_model", "model_type 'gemma' is not a decoder this engine runs"),
         ("missing_shard", "model-00002-of-00002.safetensors is missing"),
         ("truncated_file", "cannot be read"),
         ("no_weights", "no *.safetensors files"),
@@ -147,6 +148,9 @@ def test_damaged_checkpoint_fails_naming_the_problem(tmp_path, tensors, damage, 
         config_path.write_text(json.dumps(raw))
     if damage == "unknown_rope":
         raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+        config_path.write_text(json.dumps(raw))
+    if damage == "foreign_model":
+        raw["model_type"] = "gemma"
         config_path.write_text(json.dumps(raw))
     if damage == "missing_shard":
         (directory / "model-00002-of-00002.safetensors").unlink()

@@ -3,8 +3,10 @@ dropped callback; QoS queues; seeded sampling; counters; a failing step; close."
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from nodeagent import finish
 from nodeagent.daemon import GenerationError, GenExtras, StreamTooLong
 from nodeagent.engine.builtin import random_model
 from nodeagent.engine.model import ModelConfig
+from nodeagent.engine.scheduler import Generation, Scheduler
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.wal import GenParams
 
@@ -295,3 +298,18 @@ def test_close_cancels_running_generations(make):
     assert results[0].finish == finish.CANCELLED
     with pytest.raises(GenerationError, match="closed"):
         run(daemon)
+
+
+def test_prefill_serves_the_longest_waiting_lane_first_then_packs_short_ones():
+    def waiting(admitted, prompt_len):
+        gen = Generation(list(range(prompt_len)), 4, None, 0, None)
+        gen.admitted = admitted
+        return gen
+
+    pick = functools.partial(Scheduler._pick_prefill, SimpleNamespace(prefill_chunk=512))
+    long_prompt, shorts = waiting(0, 2000), [waiting(i, 10 * i) for i in (3, 1, 2)]
+    assert [(g.admitted, c) for g, c in pick([*shorts, long_prompt])] == [(0, 512)]
+    first, *_ = shorts
+    first.admitted = -1
+    assert [(g.admitted, c) for g, c in pick([*shorts, long_prompt])] == [(-1, 30), (1, 10), (2, 20)]
+    assert pick([]) == []

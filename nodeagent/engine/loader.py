@@ -20,6 +20,8 @@ from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.rope import RopeScalingError, inv_frequencies
 
 INDEX_FILE = "model.safetensors.index.json"
+#: Decoders whose tensors and maths are exactly Llama's (Qwen2 adds q/k/v biases).
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -45,6 +47,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
 
 def config_from_hf(raw: dict, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
     """The engine's config from a Hugging Face `config.json` (Llama, Qwen2, Mistral names)."""
+    model_type = raw.get("model_type", "llama")
+    if model_type not in LLAMA_FAMILY:
+        raise ModelLoadError(
+            f"config.json: model_type {model_type!r} is not a decoder this engine runs "
+            f"(supported: {', '.join(LLAMA_FAMILY)})"
+        )
     missing = [key for key in REQUIRED_KEYS if key not in raw]
     if missing:
         raise ModelLoadError(f"config.json lacks {', '.join(missing)}")

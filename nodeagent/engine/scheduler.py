@@ -10,6 +10,7 @@ its QoS queue.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -52,6 +53,7 @@ class Generation:
         self.cancelled = False
         self.state = QUEUED
         self.lane = -1
+        self.admitted = 0
         self.blocks: list[int] = []
         self.n_cached = 0
         self.next_token = 0
@@ -101,6 +103,7 @@ class Scheduler:
         ]
         self._cond = threading.Condition()
         self._stopping = False
+        self._admissions = itertools.count()
         self.decode_tokens = 0
         self.prefill_tokens = 0
         self._thread = threading.Thread(target=self._run, name="torch-scheduler", daemon=True)
@@ -194,6 +197,7 @@ class Scheduler:
 
     def _start(self, gen: Generation, lane: int, blocks: list[int]) -> None:
         gen.state, gen.lane, gen.blocks = RUNNING, lane, blocks
+        gen.admitted = next(self._admissions)
         slots, table = self._slot_table[lane], self._block_table[lane]
         slots.fill_(self.pool.scratch_slot)
         slots[: gen.kv_tokens] = self.pool.slots(blocks, gen.kv_tokens).to(slots.device)
@@ -202,10 +206,18 @@ class Scheduler:
         self._lanes[lane] = gen
 
     def _pick_prefill(self, waiting: list[Generation]) -> list[tuple[Generation, int]]:
-        """Lanes to prefill this step with their chunk sizes, padded work within the budget."""
+        """Lanes to prefill this step and their chunks, padded work within the budget.
+
+        The longest-waiting lane always goes first, so a long prompt is never starved; the rest
+        are packed shortest first.
+        """
+        if not waiting:
+            return []
+        oldest = min(waiting, key=lambda g: g.admitted)
+        rest = sorted((g for g in waiting if g is not oldest), key=lambda g: len(g.stream) - g.n_cached)
         picked: list[tuple[Generation, int]] = []
         width = 0
-        for gen in sorted(waiting, key=lambda g: len(g.stream) - g.n_cached):
+        for gen in [oldest, *rest]:
             chunk = min(len(gen.stream) - gen.n_cached, self.prefill_chunk)
             if picked and (len(picked) + 1) * max(width, chunk) > self.prefill_chunk:
                 break
