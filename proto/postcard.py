@@ -703,10 +703,13 @@ class _StructType(WireType):
         return self.decode
 
     def _compile(self):
-        """Replaces `encode` and `decode` on this instance with the compiled functions."""
+        """Replaces `encode` and `decode` on this instance with the compiled functions.
+
+        Threads racing here each compile and set the same functions; `compiled` is set last, so
+        none can find it set before the functions are.
+        """
         if self.compiled:
             return
-        self.compiled = True
         fields = [(f.name, wire_type(f.type)) for f in dataclasses.fields(self.cls)]
         ns = {
             "_VARINT": _VARINT,
@@ -729,6 +732,7 @@ class _StructType(WireType):
         source = _struct_source(fields, ref, _assigns_only(self.cls))
         exec(compile(source, f"<postcard {self.name}>", "exec"), ns)
         self.encode, self.decode = ns["encode"], ns["decode"]
+        self.compiled = True
 
 
 def _struct_source(fields, ref, assign):

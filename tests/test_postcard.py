@@ -3,6 +3,8 @@
 import dataclasses
 import enum
 import math
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -388,3 +390,41 @@ def test_decode_payload_picks_the_catalog_type():
 def test_a_non_wire_type_is_a_programming_error():
     with pytest.raises(TypeError):
         from_bytes(int, b"\x00")
+
+
+def first_use_in_threads(n_threads=8):
+    @struct
+    class Fresh:
+        a: U64
+        inner: Lease
+        tokens: Vec[U32]
+
+    value = Fresh(a=300, inner=Lease(duration_ms=60_000), tokens=[1, 70_000])
+    barrier = threading.Barrier(n_threads)
+    results = []
+
+    def use():
+        barrier.wait()
+        try:
+            results.append(from_bytes(Fresh, to_bytes(value)) == value)
+        except RecursionError:
+            results.append(False)
+
+    threads = [threading.Thread(target=use) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_first_use_from_many_threads_at_once():
+    """Lazy compiling must not let a thread see a struct half compiled; switching threads every
+    microsecond makes the race likely."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(20):
+            assert first_use_in_threads() == [True] * 8
+    finally:
+        sys.setswitchinterval(interval)
