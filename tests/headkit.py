@@ -81,13 +81,14 @@ class Received:
 class Head:
     """One head connection to one node."""
 
-    def __init__(self, endpoint: Endpoint, node: HelloAckF, addr, auth: bytes, noise: bool, versions) -> None:
+    def __init__(self, endpoint: Endpoint, node: HelloAckF, addr, auth: bytes, noise: bool, versions, heartbeat) -> None:
         self.endpoint = endpoint
         self.node = node
         self.addr = addr
         self.auth = auth
         self.noise = noise
         self.versions = versions
+        self.heartbeat = heartbeat
         self.session = HeadSession.starting_at(next(_commands))
         #: Generation ids and stage request ids come from one counter, as the Rust head's.
         self._ids = itertools.count(1)
@@ -117,14 +118,16 @@ class Head:
         is one, unless `noise=False`. `heartbeat`: the head's KEEPALIVE interval on a v3 link."""
         noise = bool(auth) if noise is None else noise
         endpoint, node = _open(addr, auth, noise, versions, role, timeout, heartbeat)
-        return cls(endpoint, node, addr, auth, noise, versions)
+        return cls(endpoint, node, addr, auth, noise, versions, heartbeat)
 
     def reconnect(self, timeout: float = TIMEOUT) -> ReconcileAckMsg:
         """Drops this connection, dials again and reconciles, as the Rust head does: RECONCILE
-        first, then the RECONCILE_ACK and every event it says is being sent again."""
+        first, then the RECONCILE_ACK and every event it says is being sent again. (The Rust
+        head then sends each held session's content again, and places the others anew; a test
+        does what it needs of that itself.)"""
         self.endpoint.close()
         self.endpoint, self.node = _open(
-            self.addr, self.auth, self.noise, self.versions, LinkRole.HeadDaemon, timeout, 5.0
+            self.addr, self.auth, self.noise, self.versions, LinkRole.HeadDaemon, timeout, self.heartbeat
         )
         start = len(self.received)
         self.endpoint.send(msg_type.RECONCILE, self.session.reconcile())
@@ -172,10 +175,14 @@ class Head:
     def revoke(self, session_id: int) -> None:
         self.endpoint.send(msg_type.SESSION_REVOKE, self.session.revoke(session_id))
 
+    def next_id(self) -> int:
+        """A fresh generation or stage request id."""
+        return next(self._ids)
+
     def request(self, session_id: int, max_new: int, max_wall_ms: int = 60_000) -> GenerateReqMsg:
         """Sends a GENERATE_REQ for a fresh generation id and returns it (to replay or collect)."""
         budgets = GenerationBudgetsMsg(max_new_tokens=max_new, max_wall_ms=max_wall_ms)
-        req = self.session.generate(session_id, next(self._ids), budgets)
+        req = self.session.generate(session_id, self.next_id(), budgets)
         self.endpoint.send(msg_type.GENERATE_REQ, req)
         return req
 
@@ -199,7 +206,7 @@ class Head:
 
     def send_stage(self, tokens: list[int], start: int, end: int, hidden_in: bytes | None = None) -> int:
         """Sends a STAGE_FORWARD_REQ; returns its request id."""
-        request_id = next(self._ids)
+        request_id = self.next_id()
         msg = StageForwardReqMsg(
             request_id=request_id, tokens=tokens, start_layer=start, end_layer=end, hidden_in=hidden_in
         )

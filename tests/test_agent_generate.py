@@ -41,7 +41,7 @@ def by_hand(head: Head, session_id: int, epoch: int, max_new: int = 4) -> Genera
         command_id=head.session.next_command(session_id),
         session_id=session_id,
         epoch=epoch,
-        generation_id=next(head._ids),
+        generation_id=head.next_id(),
         budgets=GenerationBudgetsMsg(max_new_tokens=max_new, max_wall_ms=60_000),
     )
     head.endpoint.send(msg_type.GENERATE_REQ, req)
