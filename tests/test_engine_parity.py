@@ -10,10 +10,12 @@ import dataclasses
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from nodeagent.daemon import GenExtras
+from nodeagent.engine import linear
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
@@ -167,3 +169,40 @@ def test_stage_splits_match_whole_forward(variant):
                 assert second == whole, f"split at layer {k}"
     finally:
         daemon.close()
+
+
+def test_portable_path_matches_reference(variant, monkeypatch):
+    """The path CUDA takes (plain `F.linear`, no oneDNN packing) gives the same tokens."""
+    monkeypatch.setattr(linear, "can_pack", lambda device, dtype: False)
+    config, tensors, expected = variant
+    daemon = make_daemon(config, tensors, max_batch=8)
+    try:
+        assert not daemon.model.lm_head.packed
+        assert generate_all(daemon, PROMPTS) == expected
+    finally:
+        daemon.close()
+
+
+def test_bfloat16_path_tracks_float32(variant):
+    """bf16, as served on CUDA, runs the non-fp32 rotary path; its logits stay near fp32's."""
+    config, tensors, expected = variant
+    daemons = [
+        TorchDaemon(
+            LlamaModel.from_source(config, DictSource(tensors), dtype, torch.device("cpu")),
+            "tiny",
+            max_batch=2,
+            kv_blocks=64,
+        )
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    try:
+        hidden = [
+            np.frombuffer(d.forward_stage(PROMPTS[2], 0, config.n_layers - 1, None).data, dtype="<f4")
+            for d in daemons
+        ]
+        assert np.abs(hidden[0] - hidden[1]).max() < 0.05 * np.abs(hidden[0]).max()
+        assert daemons[1].forward_stage(PROMPTS[2], 0, config.n_layers, None).token == expected[2][0]
+        assert len(generate_all(daemons[1], PROMPTS[:2])[0]) == NEW_TOKENS
+    finally:
+        for d in daemons:
+            d.close()

@@ -70,9 +70,3 @@ class KVPool:
         taken = self.kv[layer].index_select(0, blocks.flatten())
         taken = taken.view(batch, n_blocks * BLOCK_TOKENS, *taken.shape[2:])
         return taken[:, :, 0].transpose(1, 2), taken[:, :, 1].transpose(1, 2)
-
-    def slots(self, blocks: list[int], n_tokens: int) -> torch.Tensor:
-        """The slot of each position 0..n_tokens-1 for a generation owning `blocks` (CPU)."""
-        ids = torch.tensor(blocks, dtype=torch.long)
-        offsets = torch.arange(BLOCK_TOKENS, dtype=torch.long)
-        return (ids[:, None] * BLOCK_TOKENS + offsets).flatten()[:n_tokens]

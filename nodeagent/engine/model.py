@@ -108,7 +108,6 @@ class LlamaModel:
 
     def set_context(self, n_positions: int) -> None:
         """Size the rotary table for positions 0..n_positions-1."""
-        self.context = n_positions
         self._freqs = rope_table(self.inv_freq, n_positions, self.device)
 
     def rope(self, positions: torch.Tensor) -> torch.Tensor:

@@ -85,14 +85,10 @@ class Scheduler:
     ):
         self.model = model
         self.pool = pool
-        self.max_batch = max_batch
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.eos = frozenset(model.config.eos_token_ids)
         device = model.device
-        self._slot_table = torch.full(
-            (max_batch, max_context), pool.scratch_slot, dtype=torch.long, device=device
-        )
         self._block_table = torch.full(
             (max_batch, blocks_for(max_context)), pool.scratch_block, dtype=torch.long, device=device
         )
@@ -198,9 +194,7 @@ class Scheduler:
     def _start(self, gen: Generation, lane: int, blocks: list[int]) -> None:
         gen.state, gen.lane, gen.blocks = RUNNING, lane, blocks
         gen.admitted = next(self._admissions)
-        slots, table = self._slot_table[lane], self._block_table[lane]
-        slots.fill_(self.pool.scratch_slot)
-        slots[: gen.kv_tokens] = self.pool.slots(blocks, gen.kv_tokens).to(slots.device)
+        table = self._block_table[lane]
         table.fill_(self.pool.scratch_block)
         table[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         self._lanes[lane] = gen
@@ -266,7 +260,8 @@ class Scheduler:
         starts = torch.tensor([g.n_cached for g in gens], device=device)
         tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
         positions = starts[:, None] + self._positions[:width]
-        write = self._slot_table[lanes[:, None], positions.clamp(max=self.max_context - 1)]
+        block_index = positions.clamp(max=self.max_context - 1) // BLOCK_TOKENS
+        write = self._block_table[lanes[:, None], block_index] * BLOCK_TOKENS + positions % BLOCK_TOKENS
         if width > 1:
             valid = self._positions[:width] < torch.tensor(counts, device=device)[:, None]
             write = write.masked_fill(~valid, pool.scratch_slot)
