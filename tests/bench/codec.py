@@ -9,16 +9,12 @@ Run: .venv/bin/python tests/bench/codec.py
 
 import dataclasses
 import enum
-import sys
 import timeit
-from pathlib import Path
 
 import cbor2
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from proto.handshake import CapacitySummary, HelloAckF, LinkFLimits  # noqa: E402
-from proto.linkf import (  # noqa: E402
+from proto.handshake import CapacitySummary, HelloAckF, LinkFLimits
+from proto.linkf import (
     LeaseGrantMsg,
     NodeStatusMsg,
     TokenEvent,
@@ -26,8 +22,8 @@ from proto.linkf import (  # noqa: E402
     TokenEventsMsg,
     WatermarkAckMsg,
 )
-from proto.linkw import MemCountersMsg  # noqa: E402
-from proto.postcard import from_bytes, to_bytes  # noqa: E402
+from proto.linkw import MemCountersMsg
+from proto.postcard import from_bytes, to_bytes
 
 HOT = {("TokenEventsMsg", "encode"), ("WatermarkAckMsg", "decode"), ("LeaseGrantMsg", "decode")}
 REPEATS = 7
