@@ -390,6 +390,7 @@ class NodeAgent:
             self.asked[renewal.session_id] = now
 
     def fence(self, now: int) -> None:
+        """Fences every session whose lease ran out, dropping its context, params and owner."""
         sh = self.shared
         with sh.lock:
             for action in sh.agent.poll(now):
@@ -398,6 +399,7 @@ class NodeAgent:
                     sh.forget(action.session_id)
 
     def handle(self, endpoint: Endpoint, frame: Frame, work: Work) -> None:
+        """Acts on one frame from the head; every type without a handler below is ignored."""
         handler = self._handlers.get(frame.msg_type)
         if handler is not None:
             handler(self, endpoint, _decode(frame), work)
