@@ -773,8 +773,8 @@ def _struct_source(fields, ref, assign):
 
 def _assigns_only(cls):
     """Whether `cls(*fields)` does nothing but set its fields, which a decoder can do itself
-    faster: a `struct`, not frozen, with no `__post_init__`."""
-    return "_postcard_struct" in cls.__dict__ and not hasattr(cls, "__post_init__")
+    faster: so for a `struct` with the dataclass `__init__` and no `__post_init__`."""
+    return cls.__dict__.get("_assigns_only", False)
 
 
 def _field_at(exc, starts):
@@ -797,11 +797,11 @@ def _struct_of(cls):
 def wire_type(annotation):
     """The wire type an annotation stands for: a wire type, a dataclass, an IntEnum or a
     `data_enum`."""
-    if isinstance(annotation, WireType):
-        return annotation
     t = _TYPES.get(annotation)
     if t is not None:
         return t
+    if isinstance(annotation, WireType):
+        return annotation
     if not isinstance(annotation, type):
         raise TypeError(f"{annotation!r} is not a postcard wire type")
     if issubclass(annotation, enum.IntEnum):
@@ -833,7 +833,7 @@ def struct(cls):
     for name, annotation in cls.__dict__.get("__annotations__", {}).items():
         if name not in cls.__dict__:
             setattr(cls, name, _zero_field(wire_type(annotation)))
-    cls._postcard_struct = True
+    cls._assigns_only = "__init__" not in cls.__dict__ and not hasattr(cls, "__post_init__")
     return dataclasses.dataclass(cls)
 
 
@@ -853,8 +853,7 @@ def data_enum(cls):
 
 def to_bytes(value, wire=None):
     """The postcard bytes of `value`, of type `wire` (by default its own class, a dataclass)."""
-    t = _TYPES.get(type(value)) if wire is None else None
-    t = t or wire_type(type(value) if wire is None else wire)
+    t = wire_type(type(value) if wire is None else wire)
     out = bytearray()
     try:
         t.encode(value, out)
@@ -866,7 +865,7 @@ def to_bytes(value, wire=None):
 def from_bytes(cls, data):
     """The `cls` value at the start of `data`; bytes after it are ignored, as Rust's
     `postcard::from_bytes` does."""
-    t = _TYPES.get(cls) or wire_type(cls)
+    t = _TYPES.get(cls) or wire_type(cls)  # the lookup inlined: this is the hot path
     if type(data) is not bytes:
         try:
             data = bytes(memoryview(data))
