@@ -213,6 +213,8 @@ def test_decode_steps_batch_every_running_lane(make):
     forward = daemon._scheduler._forward
 
     def spy(gens, rows, counts):
+        if not widths:  # hold the first step until the other seven are queued behind it
+            assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 7)
         widths.append((len(gens), max(counts)))
         return forward(gens, rows, counts)
 
