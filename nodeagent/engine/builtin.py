@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from nodeagent.engine.loader import checked
 from nodeagent.engine.model import LlamaModel, ModelConfig
 
 BUILTIN_NAME = "builtin"
@@ -38,10 +39,7 @@ class DictSource:
         return name in self.tensors
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.tensors[name]
-        if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
-        return tensor
+        return checked(name, self.tensors[name], shape)
 
 
 def random_tensors(

@@ -20,8 +20,7 @@ def blocks_for(n_tokens: int) -> int:
 
 def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V for 16 tokens across every layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * n_layers * n_kv_heads * head_dim * BLOCK_TOKENS * itemsize
+    return 2 * n_layers * n_kv_heads * head_dim * BLOCK_TOKENS * dtype.itemsize
 
 
 class KVPool:

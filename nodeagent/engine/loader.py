@@ -122,6 +122,13 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def checked(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`tensor`, once its shape is the one the config implies."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+    return tensor
+
+
 class SafetensorsSource:
     """The tensors of a checkpoint directory, opened lazily and read one by one."""
 
@@ -159,12 +166,8 @@ class SafetensorsSource:
             tensor = handle.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise ModelLoadError(f"tensor {name!r} in {self._where[name]} cannot be read: {e}") from None
-        if tuple(tensor.shape) != tuple(shape):
-            raise ModelLoadError(
-                f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
-            )
         self._progress.step()
-        return tensor
+        return checked(name, tensor, shape)
 
     def _handle(self, file: str):
         if file not in self._open:
