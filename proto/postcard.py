@@ -171,6 +171,10 @@ class WireType:
     def decode(self, d, p):
         raise NotImplementedError
 
+    def value_of(self, d):
+        """The value at the start of `d`."""
+        return self.decode(d, 0)[0]
+
     def enc_src(self, ref):
         return [f"{ref(self.encode)}(x, out)"]
 
@@ -688,6 +692,10 @@ class _StructType(WireType):
         self._compile()
         return self.decode(d, p)
 
+    def value_of(self, d):
+        self._compile()
+        return self.value_of(d)
+
     def enc_src(self, ref):
         return [f"{ref(self.compiled_encode())}(x, out)"]
 
@@ -703,7 +711,7 @@ class _StructType(WireType):
         return self.decode
 
     def _compile(self):
-        """Replaces `encode` and `decode` on this instance with the compiled functions.
+        """Replaces `encode`, `decode` and `value_of` on this instance with compiled functions.
 
         Threads racing here each compile and set the same functions; `compiled` is set last, so
         none can find it set before the functions are.
@@ -731,44 +739,45 @@ class _StructType(WireType):
 
         source = _struct_source(fields, ref, _assigns_only(self.cls))
         exec(compile(source, f"<postcard {self.name}>", "exec"), ns)
-        self.encode, self.decode = ns["encode"], ns["decode"]
+        self.encode, self.decode, self.value_of = ns["encode"], ns["decode"], ns["value_of"]
         self.compiled = True
 
 
 def _struct_source(fields, ref, assign):
-    """The source of `encode(v, out)` and `decode(d, p)` for a struct of `fields`; with
-    `assign`, decoding sets the fields on a bare instance rather than calling the class.
+    """The source of `encode(v, out)`, `decode(d, p)` and `value_of(d)` for a struct of
+    `fields`; with `assign`, decoding sets the fields on a bare instance rather than calling the
+    class. `value_of` is `decode` at offset 0 returning the value alone, the top level's
+    shortcut.
 
     An error names its field from the line it came from (`_field_at`), so that the fast path
     pays nothing for tracking where it is.
     """
-    enc = ["def encode(v, out):", "    try:"]
-    dec = ["def decode(d, p):", "    try:"]
-    enc_starts, dec_starts = [], []
+    if not fields:
+        return "def encode(v, out):\n    pass\ndef decode(d, p):\n    return NEW(), p\ndef value_of(d):\n    return NEW()\n"
+    names = ref(tuple("." + name for name, _ in fields))
+    enc, enc_starts = ["def encode(v, out):", "    try:"], []
+    body, body_starts = [], []
     for i, (name, t) in enumerate(fields):
         enc_starts.append(len(enc) + 1)
         enc += [f"        x = v.{name}"] + ["        " + line for line in t.enc_src(ref)]
-        dec_starts.append(len(dec) + 1)
-        dec += ["        " + line for line in t.dec_src(ref, f"x{i}")]
-    names = ref(tuple("." + name for name, _ in fields))
+        body_starts.append(len(body))
+        body += ["        " + line for line in t.dec_src(ref, f"x{i}")]
     enc += [
         "    except _ENCODE_ERRORS as e:",
         f"        raise _as_error(e).within({names}[_field_at(e, {ref(enc_starts)})]) from None",
     ]
-    dec_starts = [len(enc) + line for line in dec_starts]
-    dec += [
-        "    except _DECODE_ERRORS as e:",
-        f"        raise _as_error(e, d).within({names}[_field_at(e, {ref(dec_starts)})]) from None",
-    ]
     if assign:
-        dec += ["    o = _new(NEW)"] + [f"    o.{name} = x{i}" for i, (name, _) in enumerate(fields)]
-        dec += ["    return o, p"]
+        build = ["    o = _new(NEW)"] + [f"    o.{name} = x{i}" for i, (name, _) in enumerate(fields)]
     else:
-        dec += ["    return NEW(" + ", ".join(f"x{i}" for i in range(len(fields))) + "), p"]
-    if not fields:
-        enc = ["def encode(v, out):", "    pass"]
-        dec = ["def decode(d, p):", "    return NEW(), p"]
-    return "\n".join(enc + dec) + "\n"
+        build = ["    o = NEW(" + ", ".join(f"x{i}" for i in range(len(fields))) + ")"]
+    lines = enc
+    for head, tail in [(["def decode(d, p):", "    try:"], "    return o, p"), (["def value_of(d):", "    p = 0", "    try:"], "    return o")]:
+        starts = [len(lines) + len(head) + 1 + line for line in body_starts]
+        lines = lines + head + body + [
+            "    except _DECODE_ERRORS as e:",
+            f"        raise _as_error(e, d).within({names}[_field_at(e, {ref(starts)})]) from None",
+        ] + build + [tail]
+    return "\n".join(lines) + "\n"
 
 
 def _assigns_only(cls):
@@ -865,13 +874,16 @@ def to_bytes(value, wire=None):
 def from_bytes(cls, data):
     """The `cls` value at the start of `data`; bytes after it are ignored, as Rust's
     `postcard::from_bytes` does."""
-    t = _TYPES.get(cls) or wire_type(cls)  # the lookup inlined: this is the hot path
+    try:
+        t = _TYPES[cls]  # wire_type's lookup inlined: this is the hot path
+    except KeyError:
+        t = wire_type(cls)
     if type(data) is not bytes:
         try:
             data = bytes(memoryview(data))
         except TypeError:
             raise PostcardError(f"expected bytes, got {type(data).__name__}").within(t.name) from None
     try:
-        return t.decode(data, 0)[0]
+        return t.value_of(data)
     except PostcardError as e:
         raise e.within(t.name) from None
