@@ -218,19 +218,19 @@ class _Varint(WireType):
             f"if {to} < 0x80:",
             "    p += 1",
             "else:",
-            "    c = d[p + 1]",
-            "    if c < 0x80:",
-            f"        {to} = {to} & 0x7F | c << 7",
+            "    b1 = d[p + 1]",
+            "    if b1 < 0x80:",
+            f"        {to} = {to} & 0x7F | b1 << 7",
             "        p += 2",
         ]
         if self.bits <= 21:
             return src + ["    else:", f"        {to}, p = {ref(self.read)}(d, p)"]
         return src + [
-            "    elif (e := d[p + 2]) < 0x80:",
-            f"        {to} += (c << 7) + (e << 14) - 0x4080",
+            "    elif (b2 := d[p + 2]) < 0x80:",
+            f"        {to} += (b1 << 7) + (b2 << 14) - 0x4080",
             "        p += 3",
             "    else:",
-            f"        {to}, p = {ref(self.read_rest)}(d, p, {to} & 0x7F | (c & 0x7F) << 7 | (e & 0x7F) << 14)",
+            f"        {to}, p = {ref(self.read_rest)}(d, p, {to} & 0x7F | (b1 & 0x7F) << 7 | (b2 & 0x7F) << 14)",
         ]
 
 
@@ -494,17 +494,17 @@ class _VarintVec(_VecType):
                 if b < 0x80:
                     p += 1
                 else:
-                    c = d[p + 1]
-                    if c < 0x80:
-                        b = b & 0x7F | c << 7
+                    b1 = d[p + 1]
+                    if b1 < 0x80:
+                        b = b & 0x7F | b1 << 7
                         p += 2
                     elif not read_rest:
                         b, p = read(d, p)
-                    elif (e := d[p + 2]) < 0x80:
-                        b = b & 0x7F | (c & 0x7F) << 7 | e << 14
+                    elif (b2 := d[p + 2]) < 0x80:
+                        b += (b1 << 7) + (b2 << 14) - 0x4080
                         p += 3
                     else:
-                        b, p = read_rest(d, p, b & 0x7F | (c & 0x7F) << 7 | (e & 0x7F) << 14)
+                        b, p = read_rest(d, p, b & 0x7F | (b1 & 0x7F) << 7 | (b2 & 0x7F) << 14)
                 out[i] = b
         except IndexError:
             raise _eof(len(d)).within(f"[{i}]") from None
@@ -753,7 +753,9 @@ def _struct_source(fields, ref, assign):
     pays nothing for tracking where it is.
     """
     if not fields:
-        return "def encode(v, out):\n    pass\ndef decode(d, p):\n    return NEW(), p\ndef value_of(d):\n    return NEW()\n"
+        return "\n".join(
+            ["def encode(v, out):", "    pass", "def decode(d, p):", "    return NEW(), p", "def value_of(d):", "    return NEW()"]
+        )
     names = ref(tuple("." + name for name, _ in fields))
     enc, enc_starts = ["def encode(v, out):", "    try:"], []
     body, body_starts = [], []
@@ -771,13 +773,17 @@ def _struct_source(fields, ref, assign):
     else:
         build = ["    o = NEW(" + ", ".join(f"x{i}" for i in range(len(fields))) + ")"]
     lines = enc
-    for head, tail in [(["def decode(d, p):", "    try:"], "    return o, p"), (["def value_of(d):", "    p = 0", "    try:"], "    return o")]:
+    decode_head = ["def decode(d, p):", "    try:"]
+    value_of_head = ["def value_of(d):", "    p = 0", "    try:"]
+    for head, result in [(decode_head, "o, p"), (value_of_head, "o")]:
         starts = [len(lines) + len(head) + 1 + line for line in body_starts]
-        lines = lines + head + body + [
+        lines = lines + head + body
+        lines += [
             "    except _DECODE_ERRORS as e:",
             f"        raise _as_error(e, d).within({names}[_field_at(e, {ref(starts)})]) from None",
-        ] + build + [tail]
-    return "\n".join(lines) + "\n"
+        ]
+        lines += build + [f"    return {result}"]
+    return "\n".join(lines)
 
 
 def _assigns_only(cls):
