@@ -121,7 +121,8 @@ def _varint_reader(bits, start=0):
     for i in range(start, size):
         src += [f"        b = d[p + {i}]", "        if b < 0x80:"]
         if i == size - 1:
-            src.append(f"            if b > {last_max}: raise PostcardError('varint above the u{bits} range', p)")
+            error = f"PostcardError('varint above the u{bits} range', p)"
+            src.append(f"            if b > {last_max}: raise {error}")
         src += [f"            return v | b << {7 * i}, p + {i + 1}", f"        v |= (b & 0x7F) << {7 * i}"]
     src += [
         "    except IndexError:",
@@ -230,7 +231,8 @@ class _Varint(WireType):
             f"        {to} += (b1 << 7) + (b2 << 14) - 0x4080",
             "        p += 3",
             "    else:",
-            f"        {to}, p = {ref(self.read_rest)}(d, p, {to} & 0x7F | (b1 & 0x7F) << 7 | (b2 & 0x7F) << 14)",
+            f"        {to} = {to} & 0x7F | (b1 & 0x7F) << 7 | (b2 & 0x7F) << 14",
+            f"        {to}, p = {ref(self.read_rest)}(d, p, {to})",
         ]
 
 
@@ -633,7 +635,8 @@ class _DataEnum(WireType):
         the variants compile then)."""
         if self.writers is None:
             self.writers = {
-                v: (_VARINT[i], s.compiled_encode()) for i, (v, s) in enumerate(zip(self.variants, self.structs))
+                v: (_VARINT[i], s.compiled_encode())
+                for i, (v, s) in enumerate(zip(self.variants, self.structs))
             }
         return self.writers
 
@@ -753,9 +756,8 @@ def _struct_source(fields, ref, assign):
     pays nothing for tracking where it is.
     """
     if not fields:
-        return "\n".join(
-            ["def encode(v, out):", "    pass", "def decode(d, p):", "    return NEW(), p", "def value_of(d):", "    return NEW()"]
-        )
+        empty = ["def encode(v, out):", "    pass", "def decode(d, p):", "    return NEW(), p"]
+        return "\n".join(empty + ["def value_of(d):", "    return NEW()"])
     names = ref(tuple("." + name for name, _ in fields))
     enc, enc_starts = ["def encode(v, out):", "    try:"], []
     body, body_starts = [], []
@@ -811,7 +813,7 @@ def _struct_of(cls):
 
 def wire_type(annotation):
     """The wire type an annotation stands for: a wire type, a dataclass, an IntEnum or a
-    `data_enum`."""
+    `data_enum` (for which each variant's class stands too)."""
     t = _TYPES.get(annotation)
     if t is not None:
         return t
