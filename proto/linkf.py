@@ -3,7 +3,8 @@
 import enum
 from dataclasses import dataclass
 
-from proto.handshake import CapacitySummary, Hello, HelloAckF, LinkFLimits
+from proto.handshake import CapacitySummary, Hello, HelloAckF
+from proto.handshake import LinkFLimits as LinkFLimits  # Rust's linkf::LinkFLimits, re-exported
 from proto.linkw import MemCountersMsg
 from proto.postcard import (
     U8,

@@ -1,7 +1,6 @@
-"""handshake.rs's and linkf.rs's unit tests, ported, and HELLO's shape."""
+"""handshake.rs's unit tests (version negotiation), ported, and HELLO's shape."""
 
 from proto.handshake import Hello, LinkRole, negotiate
-from proto.linkf import ALL, PAYLOAD_TYPES, is_known_type, msg_type
 from proto.postcard import from_bytes, to_bytes
 
 
@@ -23,18 +22,6 @@ def test_negotiate_touching_ranges():
 def test_public_head_and_this_node_agree_on_2():
     assert negotiate((2, 2), (2, 3)) == 2
     assert negotiate((2, 3), (2, 3)) == 3
-
-
-def test_all_msg_types_are_known():
-    for t in ALL:
-        assert is_known_type(t)
-    assert not is_known_type(0x00FF)
-
-
-def test_catalog_has_28_distinct_types_each_with_a_payload():
-    assert len(ALL) == len(set(ALL)) == 28
-    assert set(PAYLOAD_TYPES) == set(ALL)
-    assert [t for t in ALL if t & 0x8000] == [msg_type.TELEMETRY, msg_type.KEEPALIVE]
 
 
 def test_link_role_is_a_variant_index():

@@ -25,8 +25,6 @@ from proto.linkf import (
     TokenEvent,
     TokenEventPayload,
     TokenEventsMsg,
-    decode_payload,
-    msg_type,
 )
 from proto.handshake import Hello, LinkRole
 from proto.postcard import (
@@ -376,15 +374,6 @@ def test_genparams_is_a_frozen_struct():
     with pytest.raises(dataclasses.FrozenInstanceError):
         GenParams().seed = 1
     assert to_bytes(GenParams(top_k=40, seed=42)) == bytes(12) + h("28 2a")
-
-
-def test_decode_payload_picks_the_catalog_type():
-    assert decode_payload(msg_type.LEASE_GRANT, h("01 02 03 04")) == LeaseGrantMsg(1, 2, 3, 4)
-    with pytest.raises(PostcardError) as e:
-        decode_payload(0x0FFF, b"")
-    assert "0x0fff" in str(e.value)
-    with pytest.raises(PostcardError):
-        decode_payload(msg_type.LEASE_GRANT, h("01"))
 
 
 def test_a_non_wire_type_is_a_programming_error():
