@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from nodeagent.wal import GenParams
+from proto.handshake import Hello, LinkRole
 from proto.linkf import (
     PAYLOAD_TYPES,
     AppendContentMsg,
@@ -26,7 +27,6 @@ from proto.linkf import (
     TokenEventPayload,
     TokenEventsMsg,
 )
-from proto.handshake import Hello, LinkRole
 from proto.postcard import (
     U8,
     U16,
