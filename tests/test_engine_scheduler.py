@@ -83,6 +83,11 @@ def pool_empty(daemon) -> bool:
     return stats.pool_blocks_used == 0 and stats.lanes_active == 0
 
 
+def admitted_or_queued(daemon) -> int:
+    stats = daemon.sched_stats()
+    return stats.lanes_active + sum(stats.queue_depth)
+
+
 def decoded_until_freed(daemon) -> int:
     """Decode tokens the scheduler still ran, once the calls returned, before the pool emptied."""
     before = daemon.sched_stats().decode_tokens
@@ -213,8 +218,8 @@ def test_decode_steps_batch_every_running_lane(make):
     forward = daemon._scheduler._forward
 
     def spy(gens, rows, counts):
-        if not widths:  # hold the first step until the other seven are queued behind it
-            assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 7)
+        if not widths:  # hold the first step until every lane is admitted or queued behind it
+            assert wait_until(lambda: admitted_or_queued(daemon) == 8)
         widths.append((len(gens), max(counts)))
         return forward(gens, rows, counts)
 
