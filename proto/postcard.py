@@ -870,7 +870,12 @@ def data_enum(cls):
 
 def to_bytes(value, wire=None):
     """The postcard bytes of `value`, of type `wire` (by default its own class, a dataclass)."""
-    t = wire_type(type(value) if wire is None else wire)
+    try:
+        t = wire_type(type(value) if wire is None else wire)
+    except TypeError:
+        if wire is not None:
+            raise
+        raise PostcardError(f"a {type(value).__name__} has no postcard form") from None
     out = bytearray()
     try:
         t.encode(value, out)
