@@ -870,12 +870,7 @@ def data_enum(cls):
 
 def to_bytes(value, wire=None):
     """The postcard bytes of `value`, of type `wire` (by default its own class, a dataclass)."""
-    try:
-        t = wire_type(type(value) if wire is None else wire)
-    except TypeError:
-        if wire is not None:
-            raise
-        raise PostcardError(f"a {type(value).__name__} has no postcard form") from None
+    t = wire_type(type(value) if wire is None else wire)
     out = bytearray()
     try:
         t.encode(value, out)
