@@ -169,7 +169,7 @@ class Work:
     """What a connection has running off its own thread."""
 
     generation: Running | None = None
-    #: Where a stage forward's answer arrives (None from a worker that ended without one).
+    #: Where a stage forward's answer arrives.
     stage: queue.Queue | None = None
 
     def busy(self) -> bool:
@@ -518,8 +518,7 @@ class NodeAgent:
         except queue.Empty:
             return
         work.stage = None
-        if resp is not None:
-            endpoint.send(msg_type.STAGE_FORWARD_RESP, resp)
+        endpoint.send(msg_type.STAGE_FORWARD_RESP, resp)
 
     def start_generation(self, req: GenerateReqMsg) -> Running:
         """Starts `req` on a thread of its own, so this connection goes on reading the head and
@@ -634,6 +633,8 @@ def _run_generation(daemon, shared, context, params, max_new, max_wall_ms, cance
         generated = daemon.generate_tokens_streaming(context, params, max_new, max_wall_ms, GenExtras(), on_tokens)
     except DaemonError as e:
         generated = e
+    except Exception:
+        log.exception("a generation's worker failed; its connection ends")
     finally:
         with shared.lock:
             shared.busy.stop()
@@ -641,16 +642,20 @@ def _run_generation(daemon, shared, context, params, max_new, max_wall_ms, cance
 
 
 def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue) -> None:
-    """A stage forward's worker; an error is answered as a stage the node could not run."""
-    resp = None
+    """A stage forward's worker. Any failure is answered as a stage the node could not run:
+    the head has no timeout on a stage, so a worker that answered nothing would wedge it (the
+    seed went silent when its worker panicked; linkf-wire §7 asks for an answer)."""
+    resp = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=None)
     try:
         output = daemon.forward_stage(m.tokens, m.start_layer, m.end_layer, m.hidden_in)
         if isinstance(output, StageHidden):
-            resp = StageForwardRespMsg(request_id=m.request_id, hidden=output.data, token=None)
+            resp.hidden = output.data
         elif isinstance(output, StageToken):
-            resp = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=output.token)
+            resp.token = output.token
     except DaemonError:
-        resp = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=None)
+        pass
+    except Exception:
+        log.exception("a stage forward's worker failed; answering it as not run")
     finally:
         answer.put(resp)
 

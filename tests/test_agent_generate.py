@@ -221,8 +221,7 @@ class Crashes(MockDaemon):
         raise RuntimeError("engine bug")
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node):
+def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node, caplog):
     node = start_node(Crashes())
     with Head.connect(node.addr) as head:
         placed(head, 1)
@@ -231,3 +230,4 @@ def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node):
     outcome = node.outcome()
     assert isinstance(outcome, GenerationError) and "ended without a result" in str(outcome)
     assert node.agent.running_generations() == 0 and node.agent.shared.busy.running == 0
+    assert "engine bug" in caplog.text, "the cause is logged, not lost with the worker"

@@ -69,3 +69,21 @@ def test_a_second_stage_while_one_runs_is_answered_empty_at_once(start_node):
         started = time.monotonic()
         assert head.stage(TOKENS, 0, 24).token == mock_stage(TOKENS, 0, 24), "the slot is free again"
         assert time.monotonic() - started < 1.0
+
+
+class CrashingStage(MockDaemon):
+    """A stage whose engine fails with an error that is no DaemonError (a bug, a CUDA fault)."""
+
+    def forward_stage(self, tokens, start_layer, end_layer, hidden_in):
+        raise RuntimeError("the engine fell over")
+
+
+def test_a_stage_whose_worker_crashes_is_still_answered(start_node, caplog):
+    node = start_node(CrashingStage())
+    with Head.connect(node.addr) as head:
+        answer = head.stage(TOKENS, 0, 24)
+        assert (answer.hidden, answer.token) == (None, None), "the head has no stage timeout: silence wedges it"
+        head.assign(1, GenParams())
+        head.append(1, TOKENS)
+        assert head.generate(1, 4).tokens == mock_tokens(TOKENS, 4), "the connection serves on"
+    assert "the engine fell over" in caplog.text
