@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -206,3 +207,16 @@ def test_bfloat16_path_tracks_float32(variant):
     finally:
         for d in daemons:
             d.close()
+
+
+def test_a_torch_without_the_private_onednn_ops_falls_back_to_f_linear(monkeypatch):
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
+    linear.onednn_linear_works.cache_clear()
+    try:
+        layer = linear.Linear(torch.arange(6.0).reshape(2, 3))
+        assert not layer.packed
+        assert layer(torch.ones(1, 3)).tolist() == [[3.0, 12.0]]
+    finally:
+        monkeypatch.undo()
+        linear.onednn_linear_works.cache_clear()
+    assert linear.Linear(torch.ones(2, 3)).packed, "with the ops back, the packed path returns"

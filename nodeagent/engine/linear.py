@@ -7,6 +7,8 @@ decode no slower. Elsewhere (CUDA, or a torch without oneDNN) `F.linear` is the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,23 @@ PACKED_FOR_ROWS = 8
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.float32 and onednn_linear_works()
+
+
+@functools.cache
+def onednn_linear_works() -> bool:
+    """Whether this torch runs the private oneDNN ops the packed path uses, with the result
+    `F.linear` gives: they are no public API, so a torch without them falls back to `F.linear`
+    rather than failing at the first forward."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    weight, x = torch.arange(6.0).reshape(2, 3), torch.ones(1, 3)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return torch.equal(y, F.linear(x, weight))
 
 
 class Linear:
