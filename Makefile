@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	.venv/bin/superfluid-noded --listen 127.0.0.1:8454 --engine mock
+	.venv/bin/superfluid-noded --listen 127.0.0.1:8454 --model builtin
 
 test: $(STAMP)
 	$(PY) -m pytest -q
