@@ -46,6 +46,14 @@ class StageError(DaemonError):
     """A stage forward was asked for with inputs that cannot be run."""
 
 
+def check_stream(stream: Sequence[int], max_context: int) -> None:
+    """The checks every engine makes before generating from `stream`: content, and the window."""
+    if not stream:
+        raise GenerationError("session has no content to generate from")
+    if len(stream) > max_context:
+        raise StreamTooLong(max_context, len(stream))
+
+
 @dataclass(frozen=True)
 class GenExtras:
     """What a generation may carry beyond its stream and params."""

@@ -26,7 +26,7 @@ from nodeagent.daemon import (
     StageHidden,
     StageOutput,
     StageToken,
-    StreamTooLong,
+    check_stream,
 )
 from nodeagent.wal import GenParams
 
@@ -177,10 +177,7 @@ class MockDaemon(Daemon):
         extras: GenExtras,
         on_tokens: OnTokens,
     ) -> GenerationResult:
-        if not stream:
-            raise GenerationError("session has no content to generate from")
-        if len(stream) > self._max_context:
-            raise StreamTooLong(self._max_context, len(stream))
+        check_stream(stream, self._max_context)
         if max_tokens <= 0:
             return GenerationResult([], finish.NONE)
         deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms else None

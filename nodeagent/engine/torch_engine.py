@@ -28,7 +28,7 @@ from nodeagent.daemon import (
     StageHidden,
     StageOutput,
     StageToken,
-    StreamTooLong,
+    check_stream,
 )
 from nodeagent.engine import ModelLoadError
 from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
@@ -36,7 +36,7 @@ from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_
 from nodeagent.engine.loader import load_model
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.sampling import LaneSampler
-from nodeagent.engine.scheduler import END, ERROR, TOKEN, Generation, Scheduler
+from nodeagent.engine.scheduler import ERROR, TOKEN, Generation, Scheduler
 from nodeagent.wal import GenParams
 
 CPU_KV_BUDGET_MB = 256
@@ -132,10 +132,7 @@ class TorchDaemon(Daemon):
             self._scheduler.cancel(gen)
 
     def _check_stream(self, stream: list[int]) -> None:
-        if not stream:
-            raise GenerationError("session has no content to generate from")
-        if len(stream) > self.context:
-            raise StreamTooLong(self.context, len(stream))
+        check_stream(stream, self.context)
         vocab = self.model.config.vocab_size
         if min(stream) < 0 or max(stream) >= vocab:
             raise GenerationError(f"the stream holds a token outside the vocabulary of {vocab}")
