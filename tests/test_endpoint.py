@@ -7,36 +7,12 @@ import time
 
 import pytest
 
+from linkpairs import TIMEOUT, run, tcp_pair, unix_pair
 from linkf import Endpoint, LinkFError, Liveness, NoiseRole
 from proto import postcard
 from proto.envelope import FrameClass
 from proto.handshake import CapacitySummary, Hello, HelloAckF, LinkFLimits, LinkRole
 from proto.linkf import LeaseRenewMsg, TelemetryMsg, msg_type
-
-TIMEOUT = 5.0
-
-
-def run(fn):
-    """Runs ``fn`` on a thread; the returned ``result()`` re-raises what it raised."""
-    out = {}
-
-    def body():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # handed to the test thread
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-
-    def result():
-        t.join(TIMEOUT)
-        assert not t.is_alive(), "the other side hung"
-        if "error" in out:
-            raise out["error"]
-        return out.get("value")
-
-    return result
 
 
 def ackf(identity="node"):
@@ -47,20 +23,6 @@ def ackf(identity="node"):
         loadable_models=["mock"],
         limits=LinkFLimits(max_frame=16 << 20, transfer_window=8, max_transfer=1 << 26, transfer_budget=1 << 28),
     )
-
-
-def unix_pair():
-    a, b = socket.socketpair()
-    return Endpoint.from_unix(a), Endpoint.from_unix(b)
-
-
-def tcp_pair():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.settimeout(TIMEOUT)
-        accepted = run(lambda: listener.accept()[0])
-        head = Endpoint.connect_tcp(listener.getsockname(), TIMEOUT)
-        node = Endpoint.from_tcp(accepted())
-    return head, node
 
 
 def handshake(head, node, versions=(2, 3), auth=b"", expected=b""):

@@ -22,7 +22,6 @@ from nodeagent import finish
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
-from proto.linkf import msg_type
 
 SERVING = re.compile(r"^superfluid-noded: node '(.*)' serving '(.*)' on (\S+) \(Link F/TCP\)$")
 START_TIMEOUT = 20.0

@@ -1,12 +1,12 @@
 """linkf.head and linkf.wal: the unit tests of head.rs, ported, and the end-to-end session tests
 of linkf_e2e.rs / linkf_tcp.rs over real endpoints."""
 
-import socket
 import threading
 
 import pytest
 
-from linkf import AgentAction, AgentSession, Endpoint, HeadSession, WalStub
+from linkpairs import TIMEOUT, tcp_pair, unix_pair
+from linkf import AgentAction, AgentSession, HeadSession, WalStub
 from proto import postcard
 from proto.handshake import CapacitySummary, HelloAckF, LinkFLimits
 from proto.linkf import (
@@ -23,7 +23,6 @@ from proto.linkf import (
 )
 from proto.postcard import U32, Vec
 
-TIMEOUT = 5.0
 LEASE = Lease(duration_ms=1000, renew_by_ms=600)
 BUDGETS = GenerationBudgetsMsg(max_new_tokens=64, max_wall_ms=1000)
 
@@ -146,19 +145,6 @@ def ackf():
         loadable_models=["mock"],
         limits=LinkFLimits(max_frame=16 << 20, transfer_window=4, max_transfer=1 << 24, transfer_budget=1 << 26),
     )
-
-
-def unix_pair():
-    a, b = socket.socketpair()
-    return Endpoint.from_unix(a), Endpoint.from_unix(b)
-
-
-def tcp_pair():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.settimeout(TIMEOUT)
-        head = Endpoint.connect_tcp(listener.getsockname(), TIMEOUT)
-        node = Endpoint.from_tcp(listener.accept()[0])
-    return head, node
 
 
 def connect(make):

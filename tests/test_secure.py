@@ -5,33 +5,9 @@ import threading
 
 import pytest
 
+from linkpairs import TIMEOUT, run
 from linkf.errors import Closed, TimedOut, Unauthorized
 from linkf.secure import MAX_PLAINTEXT, TAG, NoiseRole, SecureStream, key_from
-
-TIMEOUT = 5.0
-
-
-def run(fn):
-    """Runs ``fn`` on a thread; the returned ``result()`` re-raises what it raised."""
-    out = {}
-
-    def body():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # handed to the test thread
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-
-    def result():
-        t.join(TIMEOUT)
-        assert not t.is_alive(), "the other side hung"
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
-
-    return result
 
 
 def pair(a, b):
