@@ -38,6 +38,7 @@ __all__ = [
     "wire_type",
     "to_bytes",
     "from_bytes",
+    "to_plain",
 ]
 
 
@@ -895,3 +896,17 @@ def from_bytes(cls, data):
         return t.value_of(data)
     except PostcardError as e:
         raise e.within(t.name) from None
+
+
+def to_plain(value):
+    """`value` as plain data: structs as dicts of their fields, a data-enum variant as
+    `{variant name: fields}`, sequences as lists, enums as ints. The form our cbor2 vectors and
+    transcripts keep, since they outlive any one version of these classes."""
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {type(value).__name__: fields} if "_enum" in type(value).__dict__ else fields
+    if isinstance(value, (list, tuple)):
+        return [to_plain(x) for x in value]
+    if isinstance(value, enum.IntEnum):
+        return int(value)
+    return value

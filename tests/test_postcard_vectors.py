@@ -1,7 +1,5 @@
 """The hand-derived golden vectors of tests/vectors/linkf.cbor (see gen_linkf.py there)."""
 
-import dataclasses
-import enum
 from pathlib import Path
 
 import cbor2
@@ -9,22 +7,10 @@ import pytest
 
 from nodeagent.wal import GenParams
 from proto.linkf import ALL, PAYLOAD_TYPES
-from proto.postcard import U16, U32, Vec, from_bytes, to_bytes
+from proto.postcard import U16, U32, Vec, from_bytes, to_bytes, to_plain
 
 RECORDS = cbor2.loads((Path(__file__).parent / "vectors" / "linkf.cbor").read_bytes())
 BARE_TYPES = {"u16": U16, "Vec<u32>": Vec[U32], "GenParams": GenParams}
-
-
-def plain(value):
-    """`value` as the vectors spell it: structs as dicts, a data-enum variant `{name: fields}`."""
-    if dataclasses.is_dataclass(value):
-        fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return {type(value).__name__: fields} if hasattr(type(value), "_enum") else fields
-    if isinstance(value, (list, tuple)):
-        return [plain(x) for x in value]
-    if isinstance(value, enum.IntEnum):
-        return int(value)
-    return value
 
 
 def ordered(value):
@@ -44,7 +30,7 @@ def wire_of(rec):
 def test_vector_decodes_to_its_fields_and_reencodes_to_its_bytes(rec):
     wire = wire_of(rec)
     value = from_bytes(wire, rec["postcard"])
-    assert ordered(plain(value)) == ordered(rec["fields"])
+    assert ordered(to_plain(value)) == ordered(rec["fields"])
     assert to_bytes(value, wire) == rec["postcard"]
 
 

@@ -7,8 +7,6 @@ LeaseGrant decode), at most 2.0 everywhere.
 Run: .venv/bin/python tests/bench/codec.py
 """
 
-import dataclasses
-import enum
 import timeit
 
 import cbor2
@@ -23,22 +21,10 @@ from proto.linkf import (
     WatermarkAckMsg,
 )
 from proto.linkw import MemCountersMsg
-from proto.postcard import from_bytes, to_bytes
+from proto.postcard import from_bytes, to_bytes, to_plain
 
 HOT = {("TokenEventsMsg", "encode"), ("WatermarkAckMsg", "decode"), ("LeaseGrantMsg", "decode")}
 REPEATS = 7
-
-
-def plain(value):
-    """`value` as cbor2 would carry it: dicts, lists, ints; a variant `{name: fields}`."""
-    if dataclasses.is_dataclass(value):
-        fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return {type(value).__name__: fields} if hasattr(type(value), "_enum") else fields
-    if isinstance(value, (list, tuple)):
-        return [plain(x) for x in value]
-    if isinstance(value, enum.IntEnum):
-        return int(value)
-    return value
 
 
 def messages():
@@ -103,7 +89,7 @@ def best_pair(ours, theirs):
 def main():
     rows = []
     for msg in messages():
-        cls, data = type(msg), plain(msg)
+        cls, data = type(msg), to_plain(msg)
         ours_bytes, cbor_bytes = to_bytes(msg), cbor2.dumps(data)
         assert from_bytes(cls, ours_bytes) == msg and cbor2.loads(cbor_bytes) == data
         rows.append((cls.__name__, "encode", *best_pair(lambda: to_bytes(msg), lambda: cbor2.dumps(data))))
