@@ -278,9 +278,6 @@ def load(opts: Options, runtime: str):
 def main(argv: list[str] | None = None) -> int:
     logs.init_stderr(logs.filter_from_env(), PROGRAM)
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
     try:
         return run(parse_args(argv))
     except UsageError:

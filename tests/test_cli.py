@@ -70,9 +70,12 @@ def test_usage_errors_print_the_usage_and_exit_2(home, args):
     assert "--insecure-no-auth" in out.stderr and out.stdout == ""
 
 
-def test_help_prints_the_usage_on_stdout(home):
-    out = noded(home, "--help")
-    assert out.returncode == 0 and out.stdout.startswith("usage: superfluid-noded")
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_is_a_usage_error_as_in_the_rust_binary(home, flag):
+    """The Rust binary knows no --help: any flag it does not know prints the usage and exits 2.
+    Scripts written against it see the same here."""
+    out = noded(home, flag)
+    assert out.returncode == 2 and out.stderr.startswith("usage: superfluid-noded") and out.stdout == ""
 
 
 def test_an_open_listener_without_a_token_is_refused_before_anything_loads(home):
