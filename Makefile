@@ -19,7 +19,7 @@ test: $(STAMP)
 # The engine bench compares against Hugging Face transformers, installed here only: it is no
 # runtime dependency of the node.
 bench: $(STAMP)
-	$(PY) -m pip install -q transformers
+	$(PY) -c 'import transformers' 2>/dev/null || $(PY) -m pip install -q transformers
 	$(PY) tests/bench/codec.py
 	$(PY) tests/bench/engine.py
 
