@@ -1,0 +1,78 @@
+"""Stage forwards of the torch engine over the wire, through the agent: for every split k,
+`[0,k)` then `[k,n)` gives the token `[0,n)` gives, with the hidden state crossing the link as
+little-endian float32 `[positions, hidden]` (README, protocol notes)."""
+
+import numpy as np
+import pytest
+import torch
+from headkit import Head
+
+from nodeagent.daemon import GenExtras
+from nodeagent.engine.builtin import random_model
+from nodeagent.engine.model import ModelConfig
+from nodeagent.engine.torch_engine import TorchDaemon
+from nodeagent.wal import GenParams
+
+TINY = ModelConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    eos_token_ids=(),
+)
+PROMPT = [3, 141, 59, 265, 358, 97]
+
+
+@pytest.fixture
+def torch_node(start_node):
+    daemon = TorchDaemon(random_model(TINY, 7, torch.float32, torch.device("cpu")), "tiny", max_batch=2, kv_blocks=64)
+    return start_node(daemon, model="tiny")
+
+
+def test_every_split_over_the_wire_gives_the_token_of_the_whole(torch_node):
+    n = TINY.n_layers
+    with Head.connect(torch_node.addr) as head:
+        whole = head.stage(PROMPT, 0, n)
+        assert whole.hidden is None and whole.token is not None
+        for k in range(n):
+            first = head.stage(PROMPT, 0, k)
+            assert first.token is None
+            assert len(first.hidden) == len(PROMPT) * TINY.hidden_size * 4, f"split {k}: [positions, hidden] f32"
+            second = head.stage([], k, n, first.hidden)
+            assert (second.hidden, second.token) == (None, whole.token), f"split at layer {k}"
+
+
+def test_the_wire_carries_the_engine_s_hidden_state_and_greedy_token(torch_node):
+    daemon = torch_node.daemon
+    with Head.connect(torch_node.addr) as head:
+        wired = np.frombuffer(head.stage(PROMPT, 0, 2).hidden, dtype="<f4").reshape(len(PROMPT), TINY.hidden_size)
+        local = np.frombuffer(daemon.forward_stage(PROMPT, 0, 2, None).data, dtype="<f4")
+        assert np.array_equal(wired.reshape(-1), local)
+        token = head.stage(PROMPT, 0, TINY.n_layers).token
+        head.assign(1, GenParams())
+        head.append(1, PROMPT)
+        generated = head.generate(1, 1).tokens
+    greedy = daemon.generate_tokens_streaming(PROMPT, GenParams(), 1, 0, GenExtras(), lambda b: True).tokens
+    assert generated == greedy == [token], "the last stage answers the greedy next token"
+
+
+@pytest.mark.parametrize(
+    "tokens, start, end, hidden",
+    [
+        (PROMPT, 3, 2, None),
+        (PROMPT, 0, TINY.n_layers + 1, None),
+        ([], 2, TINY.n_layers, b"\x00" * 12),
+        ([], 0, TINY.n_layers, None),
+    ],
+)
+def test_a_stage_the_torch_engine_cannot_run_is_answered_empty(torch_node, tokens, start, end, hidden):
+    with Head.connect(torch_node.addr) as head:
+        answer = head.stage(tokens, start, end, hidden)
+        assert (answer.hidden, answer.token) == (None, None)
+        assert head.stage(PROMPT, 0, TINY.n_layers).token is not None, "the connection serves on"
