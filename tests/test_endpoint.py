@@ -6,8 +6,9 @@ import threading
 import time
 
 import pytest
+from linkpairs import tcp_pair, unix_pair
+from polling import TIMEOUT, background
 
-from linkpairs import TIMEOUT, run, tcp_pair, unix_pair
 from linkf import Endpoint, LinkFError, Liveness, NoiseRole
 from proto import postcard
 from proto.envelope import FrameClass
@@ -26,7 +27,7 @@ def ackf(identity="node"):
 
 
 def handshake(head, node, versions=(2, 3), auth=b"", expected=b""):
-    served = run(lambda: node.answer_hello_as_agent(ackf(), expected, TIMEOUT))
+    served = background(lambda: node.answer_hello_as_agent(ackf(), expected, TIMEOUT))
     ack = head.hello_as_head(auth, TIMEOUT, versions)
     served()
     return ack
@@ -81,7 +82,7 @@ def refused(versions=(2, 3), role=LinkRole.HeadDaemon, auth=b"", expected=b""):
         finally:
             node.close()
 
-    served = run(serve)
+    served = background(serve)
     with pytest.raises(LinkFError.Closed):
         head.hello_as_head(auth, TIMEOUT, versions, role)
     with pytest.raises(LinkFError) as err:
@@ -170,7 +171,7 @@ def idle_node(node, seconds):
         while time.monotonic() < deadline:
             node.pump()
 
-    return run(loop)
+    return background(loop)
 
 
 def sent_keepalives(ep):
@@ -213,7 +214,7 @@ def test_no_heartbeat_while_other_frames_flow():
             node.pump()
             time.sleep(0.02)
 
-    done = run(busy)
+    done = background(busy)
     times, others = beats(head, 0.75)
     done()
     assert times == [] and len(others) > 10
@@ -247,7 +248,7 @@ def test_heartbeats_keep_a_v3_link_alive():
     handshake(head, node)
     head.keep_alive(Liveness(heartbeat=0.05, silence=0))
     node.keep_alive(Liveness(heartbeat=10, silence=0.5))
-    done = run(lambda: beats(head, 1.1))
+    done = background(lambda: beats(head, 1.1))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.0:
         node.pump()  # raises TimedOut if the head's heartbeats did not count
@@ -269,7 +270,7 @@ def test_peer_closing_is_closed_and_garbage_is_an_envelope_error():
 
 def test_shutdown_from_another_thread_unblocks_wait_frames():
     head, node = unix_pair()
-    waiting = run(node.wait_frames)
+    waiting = background(node.wait_frames)
     time.sleep(0.1)
     node.shutdown()
     with pytest.raises(LinkFError.Closed):
@@ -297,7 +298,7 @@ def secure_node(listener, secret, serve=True, handshake_timeout=TIMEOUT):
             node.answer_hello_as_agent(ackf("secure-node"), secret, TIMEOUT)
         return node
 
-    return run(accept)
+    return background(accept)
 
 
 def test_the_right_token_is_served_and_another_refused():
@@ -359,7 +360,7 @@ def test_the_plaintext_never_crosses_the_wire_and_a_1mib_frame_does_intact():
         head.hello_as_head(b"token", TIMEOUT)
         node = node()
         head.send(msg_type.TELEMETRY, TelemetryMsg(spans=marker))
-        sent = run(lambda: head.send(msg_type.TELEMETRY, TelemetryMsg(spans=big)))
+        sent = background(lambda: head.send(msg_type.TELEMETRY, TelemetryMsg(spans=big)))
         frames = []
         while len(frames) < 2:
             frames += frames_until(node, msg_type.TELEMETRY)

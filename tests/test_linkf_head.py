@@ -4,8 +4,9 @@ of linkf_e2e.rs / linkf_tcp.rs over real endpoints."""
 import threading
 
 import pytest
+from linkpairs import tcp_pair, unix_pair
+from polling import TIMEOUT
 
-from linkpairs import TIMEOUT, tcp_pair, unix_pair
 from linkf import AgentAction, AgentSession, HeadSession, WalStub
 from proto import postcard
 from proto.handshake import CapacitySummary, HelloAckF, LinkFLimits

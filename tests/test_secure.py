@@ -4,15 +4,15 @@ import socket
 import threading
 
 import pytest
+from polling import TIMEOUT, background
 
-from linkpairs import TIMEOUT, run
 from linkf.errors import Closed, TimedOut, Unauthorized
 from linkf.secure import MAX_PLAINTEXT, TAG, NoiseRole, SecureStream, key_from
 
 
 def pair(a, b):
     x, y = socket.socketpair()
-    responder = run(lambda: SecureStream.handshake(y, key_from(b), NoiseRole.Responder, TIMEOUT))
+    responder = background(lambda: SecureStream.handshake(y, key_from(b), NoiseRole.Responder, TIMEOUT))
     initiator = SecureStream.handshake(x, key_from(a), NoiseRole.Initiator, TIMEOUT)
     return initiator, responder
 
@@ -37,7 +37,7 @@ def test_one_token_both_ways_carries_small_and_large_messages():
         head.sendall(big)
         return recv_exact(head, 3)
 
-    reply = run(writer)
+    reply = background(writer)
     got = recv_exact(node, 5 + len(big))
     assert got[:5] == b"hello"
     assert got[5:] == big
@@ -47,7 +47,7 @@ def test_one_token_both_ways_carries_small_and_large_messages():
 
 def test_another_token_is_refused_at_the_handshake():
     x, y = socket.socketpair()
-    node = run(lambda: SecureStream.handshake(y, key_from(b"other"), NoiseRole.Responder, TIMEOUT))
+    node = background(lambda: SecureStream.handshake(y, key_from(b"other"), NoiseRole.Responder, TIMEOUT))
     # The initiator sees the responder hang up instead of answering.
     with pytest.raises(Closed):
         SecureStream.handshake(x, key_from(b"token"), NoiseRole.Initiator, TIMEOUT)
@@ -58,7 +58,7 @@ def test_another_token_is_refused_at_the_handshake():
 
 def test_the_responder_refuses_on_the_first_message_and_writes_nothing():
     head_sock, node_sock, wire = tapped_pair()
-    node = run(lambda: SecureStream.handshake(node_sock, key_from(b"other"), NoiseRole.Responder, TIMEOUT))
+    node = background(lambda: SecureStream.handshake(node_sock, key_from(b"other"), NoiseRole.Responder, TIMEOUT))
     with pytest.raises(Closed):
         SecureStream.handshake(head_sock, key_from(b"token"), NoiseRole.Initiator, TIMEOUT)
     with pytest.raises(Unauthorized):
@@ -110,7 +110,7 @@ def tapped_pair():
 def test_the_wire_is_not_the_plaintext():
     head_sock, node_sock, wire = tapped_pair()
     key = key_from(b"token")
-    node = run(lambda: SecureStream.handshake(node_sock, key, NoiseRole.Responder, TIMEOUT))
+    node = background(lambda: SecureStream.handshake(node_sock, key, NoiseRole.Responder, TIMEOUT))
     head = SecureStream.handshake(head_sock, key, NoiseRole.Initiator, TIMEOUT)
     head.sendall(b"a secret prompt")
     assert recv_exact(node(), 15) == b"a secret prompt"
@@ -122,7 +122,7 @@ def test_plaintext_is_cut_into_noise_sized_pieces():
     head, node = pair(b"token", b"token")
     node = node()
     data = bytes(MAX_PLAINTEXT + 1)
-    sent = run(lambda: head.sendall(data))
+    sent = background(lambda: head.sendall(data))
     node.sock.settimeout(TIMEOUT)
     raw = bytearray()
     while len(raw) < 2 * (2 + TAG) + len(data):
@@ -136,7 +136,7 @@ def test_plaintext_is_cut_into_noise_sized_pieces():
 
 def test_a_first_message_too_short_to_be_noise_is_refused():
     x, y = socket.socketpair()
-    node = run(lambda: SecureStream.handshake(y, key_from(b"token"), NoiseRole.Responder, TIMEOUT))
+    node = background(lambda: SecureStream.handshake(y, key_from(b"token"), NoiseRole.Responder, TIMEOUT))
     x.sendall(b"\x00\x03abc")
     with pytest.raises(Unauthorized):
         node()
