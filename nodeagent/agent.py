@@ -620,7 +620,7 @@ class NodeAgent:
 
 def _run_generation(daemon, shared, context, params, max_new, max_wall_ms, cancel, out) -> None:
     """A generation's worker: each batch goes to `out`, then the result; stops at the next
-    batch once `cancel` is set."""
+    batch once `cancel` is set, or at once while it still waits for a lane."""
 
     def on_tokens(batch: list[int]) -> bool:
         if cancel.is_set():
@@ -630,7 +630,8 @@ def _run_generation(daemon, shared, context, params, max_new, max_wall_ms, cance
 
     generated: GenerationResult | DaemonError | None = None
     try:
-        generated = daemon.generate_tokens_streaming(context, params, max_new, max_wall_ms, GenExtras(), on_tokens)
+        extras = GenExtras(cancel=cancel)
+        generated = daemon.generate_tokens_streaming(context, params, max_new, max_wall_ms, extras, on_tokens)
     except DaemonError as e:
         generated = e
     except Exception:

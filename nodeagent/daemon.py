@@ -7,6 +7,7 @@ behind it unchanged.
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -59,6 +60,12 @@ class GenExtras:
     """What a generation may carry beyond its stream and params."""
 
     qos_class: int = 0
+    #: Set by the caller to stop the generation even before its first token: one still waiting
+    #: for a lane leaves its queue at once (finish CANCELLED) rather than when a lane frees.
+    cancel: threading.Event | None = None
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
 
 
 @dataclass(frozen=True)

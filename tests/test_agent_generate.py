@@ -231,3 +231,28 @@ def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node, cap
     assert isinstance(outcome, GenerationError) and "ended without a result" in str(outcome)
     assert node.agent.running_generations() == 0 and node.agent.shared.busy.running == 0
     assert "engine bug" in caplog.text, "the cause is logged, not lost with the worker"
+
+
+def test_a_cancel_reaches_a_generation_still_waiting_for_a_lane_at_once(start_node):
+    """One lane, held by another connection's long generation: a head that cancels its queued
+    generation gets its Finish now, not when the lane frees."""
+    daemon = MockDaemon(max_lanes=1, token_delay_s=0.01)
+    node = start_node(daemon)
+    with Head.connect(node.addr) as busy, Head.connect(node.addr) as waiting:
+        placed(busy, 1)
+        long_run = busy.request(1, 1000)
+        busy.until(lambda: daemon.sched_stats().lanes_active == 1, 5.0, "the lane taken")
+        placed(waiting, 2)
+        queued = waiting.request(2, 8)
+        waiting.until(lambda: daemon.sched_stats().queue_depth[0] == 1, 5.0, "the second one queued")
+        started = time.monotonic()
+        waiting.cancel(queued)
+        done = waiting.collect(queued, 5.0)
+        assert done.finish == finish.CANCELLED and done.tokens == []
+        assert time.monotonic() - started < 1.0, "the cancel waited for the lane"
+        assert daemon.sched_stats().queue_depth[0] == 0
+        key = (1, long_run.generation_id)
+        busy.until(lambda: key in busy.generations and busy.generations[key].tokens, 5.0, "tokens")
+        assert busy.generations[key].finish is None, "the running one goes on"
+        busy.cancel(long_run)
+        assert busy.collect(long_run, 5.0).finish == finish.CANCELLED

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from polling import background, wait_until
 
 from nodeagent import finish
 from nodeagent.daemon import GenerationError, GenExtras, StreamTooLong
@@ -68,14 +68,6 @@ def in_threads(n: int, work) -> list:
         thread.join(60)
     return results
 
-
-def wait_until(condition, timeout=5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.002)
-    return condition()
 
 
 def pool_empty(daemon) -> bool:
@@ -320,3 +312,34 @@ def test_prefill_serves_the_longest_waiting_lane_first_then_packs_short_ones():
     first.admitted = -1
     assert [(g.admitted, c) for g, c in pick([*shorts, long_prompt])] == [(-1, 30), (1, 10), (2, 20)]
     assert pick([]) == []
+
+
+def test_a_queued_generation_leaves_its_queue_at_once_when_its_caller_cancels(make):
+    daemon = make(max_batch=1)
+    gate, held = threading.Event(), threading.Event()
+    decode_step = daemon._scheduler._decode_step
+
+    def gated(gens):
+        held.set()
+        gate.wait(10)
+        decode_step(gens)
+
+    daemon._scheduler._decode_step = gated
+    first = background(lambda: run(daemon, max_tokens=8), timeout=30)
+    assert held.wait(5), "the first generation holds the only lane, its step held at the gate"
+    cancel, result = threading.Event(), {}
+    extras = GenExtras(cancel=cancel)
+    waiter = threading.Thread(
+        target=lambda: result.update(r=daemon.generate_tokens_streaming([4, 5], GREEDY, 8, 0, extras, lambda b: True))
+    )
+    waiter.start()
+    assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 1)
+    cancel.set()
+    waiter.join(1.0)
+    assert not waiter.is_alive(), "it waited for the lane instead of leaving the queue"
+    assert result["r"].finish == finish.CANCELLED and result["r"].tokens == []
+    assert daemon.sched_stats().queue_depth[0] == 0
+    gate.set()
+    assert first().finish == finish.LENGTH and len(first().tokens) == 8, "the running one went on untouched"
+    assert wait_until(lambda: pool_empty(daemon))
+

@@ -6,9 +6,18 @@ import time
 
 import pytest
 import xxhash
+from polling import wait_until
 
 from nodeagent import finish
-from nodeagent.daemon import GenerationError, GenExtras, StageError, StageHidden, StageToken, StreamTooLong
+from nodeagent.daemon import (
+    GenerationError,
+    GenerationResult,
+    GenExtras,
+    StageError,
+    StageHidden,
+    StageToken,
+    StreamTooLong,
+)
 from nodeagent.engine.mock import POOL_BLOCKS, MockDaemon
 from nodeagent.wal import GenParams
 
@@ -224,3 +233,24 @@ def test_identity():
     daemon = MockDaemon(max_context=2048, max_lanes=3)
     assert daemon.model_name == "mock"
     assert daemon.summary() == "runtime mock, context window 2048 tokens, 3 lanes"
+
+
+def test_a_queued_generation_leaves_its_queue_at_once_when_its_caller_cancels():
+    daemon = MockDaemon(max_lanes=1, token_delay_s=0.01)
+    holder = threading.Thread(target=generate, args=(daemon, [1], 100))
+    holder.start()
+    assert wait_until(lambda: daemon.sched_stats().lanes_active == 1)
+    cancel, result = threading.Event(), {}
+    extras = GenExtras(cancel=cancel)
+    waiter = threading.Thread(
+        target=lambda: result.update(r=daemon.generate_tokens_streaming([2], GenParams(), 5, 0, extras, lambda b: True))
+    )
+    waiter.start()
+    assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 1)
+    cancel.set()
+    waiter.join(timeout=0.5)
+    assert not waiter.is_alive(), "it waited for a lane instead of leaving the queue"
+    assert result["r"] == GenerationResult([], finish.CANCELLED)
+    assert daemon.sched_stats().queue_depth[0] == 0 and daemon.sched_stats().lanes_active == 1
+    holder.join(timeout=10)
+    assert daemon.sched_stats().decode_tokens == 100, "the running generation went on untouched"

@@ -81,18 +81,23 @@ class _Lanes:
         self._prefilled = 0
         self._next_lane = 1
 
-    def admit(self, qos: int, prompt_len: int, deadline: float | None, closed: threading.Event):
-        """A lane id once one is free; None when the deadline passes or the engine closes first."""
+    def admit(self, qos: int, prompt_len: int, deadline: float | None, stops: tuple):
+        """A lane id once one is free; None when the deadline passes or one of the `stops`
+        events (the engine closing, the caller cancelling; None for none) is set first."""
         qos = min(max(qos, 0), QOS_CLASSES - 1)
+
+        def stopped() -> bool:
+            return any(e is not None and e.is_set() for e in stops)
+
         with self._cond:
             self._queued[qos] += 1
             try:
-                while len(self._pages) >= self.max_lanes and not closed.is_set():
+                while len(self._pages) >= self.max_lanes and not stopped():
                     wait = None if deadline is None else deadline - time.monotonic()
                     if wait is not None and wait <= 0:
                         return None
                     self._cond.wait(0.05 if wait is None else min(wait, 0.05))
-                if closed.is_set():
+                if stopped():
                     return None
             finally:
                 self._queued[qos] -= 1
@@ -185,16 +190,16 @@ class MockDaemon(Daemon):
             stepper = _Stepper(stream, params.seed)
         except ValueError as e:
             raise GenerationError(str(e)) from None
-        lane = self._lanes.admit(extras.qos_class, len(stream), deadline, self._closed)
+        lane = self._lanes.admit(extras.qos_class, len(stream), deadline, (self._closed, extras.cancel))
         if lane is None:
-            return self._unadmitted()
+            return self._unadmitted(extras)
         try:
             return self._run(lane, stepper, len(stream), max_tokens, deadline, on_tokens)
         finally:
             self._lanes.release(lane)
 
-    def _unadmitted(self) -> GenerationResult:
-        if self._closed.is_set():
+    def _unadmitted(self, extras: GenExtras) -> GenerationResult:
+        if self._closed.is_set() or extras.cancelled():
             return GenerationResult([], finish.CANCELLED)
         return GenerationResult([], finish.NONE, expired=True)
 

@@ -42,6 +42,8 @@ from nodeagent.wal import GenParams
 CPU_KV_BUDGET_MB = 256
 CUDA_KV_SHARE = 0.6  # of the device memory still free once the weights are in
 MIN_CONTEXT = 512
+#: How often a caller waiting on its generation looks at its cancel event.
+CANCEL_POLL_S = 0.02
 
 
 class TorchDaemon(Daemon):
@@ -127,7 +129,7 @@ class TorchDaemon(Daemon):
         )
         self._scheduler.submit(gen)
         try:
-            return _follow(gen, on_tokens)
+            return _follow(gen, on_tokens, extras)
         finally:
             self._scheduler.cancel(gen)
 
@@ -208,17 +210,16 @@ class TorchDaemon(Daemon):
         self._scheduler.close()
 
 
-def _follow(gen: Generation, on_tokens: OnTokens) -> GenerationResult:
+def _follow(gen: Generation, on_tokens: OnTokens, extras: GenExtras) -> GenerationResult:
     """Hand `gen`'s tokens to `on_tokens` in batches until it ends, is cancelled or expires."""
     produced: list[int] = []
     while True:
-        timeout = None if gen.deadline is None else gen.deadline - time.monotonic()
         try:
-            if timeout is not None and timeout <= 0:
-                raise queue.Empty
-            message = gen.out.get(timeout=timeout)
+            message = _next_message(gen, extras)
         except queue.Empty:
             return GenerationResult([], finish.NONE, expired=True)
+        if message is None:
+            return GenerationResult(produced, finish.CANCELLED)
         batch, end = _drain(gen.out, message)
         if batch:
             produced.extend(batch)
@@ -229,6 +230,22 @@ def _follow(gen: Generation, on_tokens: OnTokens) -> GenerationResult:
             if kind == ERROR:
                 raise GenerationError(value)
             return GenerationResult(produced, value)
+
+
+def _next_message(gen: Generation, extras: GenExtras) -> tuple | None:
+    """`gen`'s next message; None once the caller cancels; queue.Empty past the deadline. With
+    a cancel event it waits in slices, so a generation still queued sees the cancel at once."""
+    while not extras.cancelled():
+        timeout = None if gen.deadline is None else gen.deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise queue.Empty
+        if extras.cancel is not None:
+            timeout = CANCEL_POLL_S if timeout is None else min(timeout, CANCEL_POLL_S)
+        try:
+            return gen.out.get(timeout=timeout)
+        except queue.Empty:
+            continue
+    return None
 
 
 def _drain(out: queue.Queue, first: tuple) -> tuple[list[int], tuple | None]:
