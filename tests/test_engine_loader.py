@@ -117,6 +117,28 @@ def test_context_window_follows_the_checkpoint_and_the_budget(tmp_path, tensors)
         asked.close()
 
 
+def test_a_window_past_the_checkpoint_s_is_served_at_its_size_and_said(tmp_path, tensors, caplog):
+    directory = write_checkpoint(tmp_path / "wide", TINY, tensors)
+    daemon = load(directory, max_context=TINY.max_position_embeddings * 4)
+    try:
+        assert daemon.max_stream_tokens() == TINY.max_position_embeddings
+        assert f"is past the model's {TINY.max_position_embeddings} tokens" in caplog.text
+    finally:
+        daemon.close()
+
+
+def test_a_kv_budget_below_one_window_grows_the_pool_to_one_and_says_so(tmp_path, tensors, caplog):
+    """One generation must always fit the pool: a smaller one would leave it queued forever."""
+    directory = write_checkpoint(tmp_path / "small-pool", TINY, tensors)
+    daemon = TorchDaemon.load(str(directory), device="cpu", max_batch=2, kv_budget_mb=0, max_context=1024)
+    try:
+        window_blocks = -(-daemon.max_stream_tokens() // 16)
+        assert daemon.sched_stats().pool_blocks_total == window_blocks
+        assert f"the pool grows to {window_blocks} blocks" in caplog.text
+    finally:
+        daemon.close()
+
+
 @pytest.mark.parametrize(
     "damage,message",
     [

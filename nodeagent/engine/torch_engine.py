@@ -7,6 +7,7 @@ and read only the weights, so they run on the caller's thread too, alongside the
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import time
@@ -39,6 +40,8 @@ from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, TOKEN, Generation, Scheduler
 from nodeagent.wal import GenParams
 
+log = logging.getLogger(__name__)
+
 CPU_KV_BUDGET_MB = 256
 CUDA_KV_SHARE = 0.6  # of the device memory still free once the weights are in
 MIN_CONTEXT = 512
@@ -66,13 +69,22 @@ class TorchDaemon(Daemon):
         self.max_batch = max_batch
         if kv_blocks is None:
             kv_blocks = _blocks_in(CPU_KV_BUDGET_MB * 2**20, model)
-        self.context = _context_window(model.config.max_position_embeddings, max_context, kv_blocks)
+        model_max = model.config.max_position_embeddings
+        self.context = _context_window(model_max, max_context, kv_blocks)
+        if max_context is not None and max_context > model_max:
+            log.warning(f"context window {max_context} is past the model's {model_max} tokens; serving {model_max}")
+        if kv_blocks < blocks_for(self.context):
+            log.warning(
+                f"a KV budget of {kv_blocks} blocks cannot hold one {self.context}-token window; "
+                f"the pool grows to {blocks_for(self.context)} blocks"
+            )
+            kv_blocks = blocks_for(self.context)
         model.set_context(self.context)
         pool = KVPool(
             model.config.n_layers,
             model.config.n_kv_heads,
             model.config.head_dim,
-            max(kv_blocks, blocks_for(self.context)),
+            kv_blocks,
             model.dtype,
             model.device,
         )
