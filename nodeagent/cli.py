@@ -64,8 +64,8 @@ class UsageError(Exit):
 
 
 def say(message: str) -> None:
-    """One `superfluid-noded:` line on stderr, flushed at once: tools scrape these."""
-    print(f"{PROGRAM}: {message}", file=sys.stderr, flush=True)
+    """One whole `superfluid-noded:` line on stderr, flushed at once: tools scrape these."""
+    logs.write_line(f"{PROGRAM}: {message}")
 
 
 @dataclass

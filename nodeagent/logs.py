@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 
 TRACE = 5
@@ -26,6 +27,10 @@ LEVELS = {
     "error": logging.ERROR,
     "off": logging.CRITICAL + 10,
 }
+
+#: Every stderr line, from any thread, goes out under this one lock in one write: tools scrape
+#: the lines, and two threads must never merge theirs.
+_LINE_LOCK = threading.Lock()
 
 _NAMES = {TRACE: "TRACE", logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARN"}
 
@@ -45,6 +50,24 @@ class TracingFormatter(logging.Formatter):
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
+
+
+def write_line(line: str, stream=None) -> None:
+    """`line` and its newline in one write, flushed, never interleaved with another line."""
+    stream = sys.stderr if stream is None else stream
+    with _LINE_LOCK:
+        stream.write(line + "\n")
+        stream.flush()
+
+
+class LineHandler(logging.StreamHandler):
+    """A stream handler whose records go out through `write_line`, whole."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_line(self.format(record), self.stream)
+        except Exception:  # noqa: BLE001 - logging's own policy for a record that cannot be written
+            self.handleError(record)
 
 
 def parse_filter(spec: str) -> tuple[int, dict[str, int]]:
@@ -73,7 +96,7 @@ def init_stderr(spec: str, program: str = "superfluid-noded") -> None:
     except ValueError as e:
         print(f"{program}: logging: log filter {spec!r}: {e} (using \"info\")", file=sys.stderr)
         default, targets = logging.INFO, {}
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LineHandler(sys.stderr)
     handler.setFormatter(TracingFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
