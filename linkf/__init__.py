@@ -6,7 +6,6 @@ from .driver import PROTO_VERSION, SUPPORTED_VERSIONS, Endpoint, Liveness
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
 from .head import HeadSession
 from .secure import NoiseRole
-from .wal import WalStub
 
 __all__ = [
     "AgentAction",
@@ -25,5 +24,4 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "TimedOut",
     "Unauthorized",
-    "WalStub",
 ]

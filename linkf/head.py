@@ -1,12 +1,15 @@
 """The head daemon's side of Link F as a pure state machine, as the Rust head runs it: it
-numbers commands, issues epochs, commits token events exactly once into a ``WalStub`` and
-acknowledges them, and rebuilds a node's view with RECONCILE after a reconnect.
+numbers commands, issues epochs, commits token events exactly once (handing each to the
+caller's ``commit``, the head's write-ahead log) and acknowledges them, and rebuilds a node's
+view with RECONCILE after a reconnect.
 
-The message builders here are what a test head sends over an ``Endpoint``.
+The message builders here are what a head (the conformance kit's ``FleetHead``) sends over an
+``Endpoint``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto.idempotency import DedupOutcome, EventDedup, Gap, GenerationKey
@@ -24,11 +27,10 @@ from proto.linkf import (
     SessionAssignMsg,
     SessionReconcileState,
     SessionRevokeMsg,
+    TokenEvent,
     TokenEventsMsg,
     WatermarkAckMsg,
 )
-
-from .wal import WalStub
 
 
 @dataclass
@@ -41,19 +43,20 @@ class _SessionState:
 class HeadSession:
     """One head's sessions on one node."""
 
-    def __init__(self, first_command: int = 1) -> None:
+    def __init__(self, first_command: int = 1, commit: Callable[[TokenEvent], object] | None = None) -> None:
+        """``commit`` gets every event accepted into its stream, exactly once and in order."""
         self._sessions: dict[int, _SessionState] = {}
         self._generations: set[tuple[int, int, int]] = set()
         self._issued: dict[tuple[int, int], GenerateReqMsg] = {}
         self._dedup = EventDedup()
-        self.wal = WalStub()
+        self._commit = commit if commit is not None else _discard
         self._next_command = max(first_command, 1)
 
     @classmethod
-    def starting_at(cls, first_command: int) -> HeadSession:
+    def starting_at(cls, first_command: int, commit: Callable[[TokenEvent], object] | None = None) -> HeadSession:
         """A head whose command ids start at ``first_command``, so a reconnecting head keeps
         them above its earlier connection's: a node remembers commands across connections."""
-        return cls(first_command)
+        return cls(first_command, commit)
 
     def next_command(self, session_id: int) -> int:
         """A fresh command id; it becomes the session's command watermark."""
@@ -148,7 +151,7 @@ class HeadSession:
             except Gap:
                 continue
             if outcome is DedupOutcome.Accepted:
-                self.wal.commit(ev)
+                self._commit(ev)
                 self._generations.add((key.session_id, key.epoch, key.generation_id))
             if outcome is not DedupOutcome.StaleEpoch:
                 touched.add(key)
@@ -218,3 +221,7 @@ class HeadSession:
     def current_epoch(self, session_id: int) -> int | None:
         s = self._sessions.get(session_id)
         return None if s is None else s.epoch
+
+
+def _discard(event: TokenEvent) -> None:
+    """The ``commit`` of a head that keeps no log."""

@@ -2,7 +2,9 @@
 node keeps serving every other connection and the sessions they hold."""
 
 import pytest
-from headkit import Head, hung_up, mock_tokens, raw_connect, raw_frame, raw_hello
+from headkit import Head, hung_up, mock_tokens, raw_connect, raw_frame
+
+from conformance.raw import RawLink
 
 from linkf.errors import LinkFError
 from nodeagent.daemon import DaemonError
@@ -48,7 +50,9 @@ def test_bad_input_ends_that_connection_only(node, case):
         good.assign(1, GenParams())
         good.append(1, PROMPT)
         if after_hello:
-            sock, _ = raw_hello(node.addr)
+            link = RawLink.connect(node.addr)
+            link.hello(b"")
+            sock = link.sock
         else:
             sock = raw_connect(node.addr)
         sock.sendall(data)

@@ -19,7 +19,7 @@ from proto.linkf import (
 def committed_tokens(head: Head, session_id: int) -> list[int]:
     return [
         t
-        for c in head.session.wal.session_events(session_id)
+        for c in head.wal.session_events(session_id)
         if isinstance(c.event.payload, TokenEventPayload.Tokens)
         for t in c.event.payload.tokens
     ]
@@ -33,7 +33,7 @@ def test_events_the_head_lost_are_sent_again_after_a_reconnect(node):
         head.lose_events = True
         req = head.request(11, 40)
         head.until(lambda: head.generations.get((11, 1)) and head.generations[(11, 1)].finish, 5.0, "the Finish")
-        assert head.session.wal.total_committed() == 0
+        assert head.wal.total_committed() == 0
         sent = len(head.generations[(11, req.generation_id)].events)
 
         head.lose_events = False
@@ -43,9 +43,9 @@ def test_events_the_head_lost_are_sent_again_after_a_reconnect(node):
         (retry,) = state.retry_ranges
         assert (retry.generation_id, retry.from_seq, retry.to_seq) == (req.generation_id, 0, sent - 1)
 
-        head.session.wal.assert_single_contiguous_streams()
+        head.wal.assert_single_contiguous_streams()
         assert committed_tokens(head, 11) == mock_tokens(prompt, 40)
-        last = head.session.wal.session_events(11)[-1].event.payload
+        last = head.wal.session_events(11)[-1].event.payload
         assert last == TokenEventPayload.Finish(reason=finish.LENGTH)
 
         # The session is now the new connection's: its renewal is asked for here.
@@ -58,12 +58,12 @@ def test_acknowledged_events_are_not_sent_again(node):
         head.assign(3, GenParams())
         head.append(3, [1, 2, 3])
         head.request(3, 20)
-        head.until(lambda: head.session.wal.total_committed() and head.generations[(3, 1)].finish, 5.0, "the Finish")
+        head.until(lambda: head.wal.total_committed() and head.generations[(3, 1)].finish, 5.0, "the Finish")
         head.idle(0.1)  # let the last watermark ack reach the node
-        before = head.session.wal.total_committed()
+        before = head.wal.total_committed()
         ack = head.reconnect()
         assert ack.sessions[0].held and ack.sessions[0].retry_ranges == []
-        assert head.session.wal.total_committed() == before
+        assert head.wal.total_committed() == before
 
 
 def test_a_session_the_node_never_held_is_reported_so(node):

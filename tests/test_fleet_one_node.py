@@ -21,8 +21,8 @@ def test_fleet_generation_matches_local_token_for_token(node):
 
     assert gen.finish == finish.LENGTH
     assert gen.tokens == mock_tokens(prompt, 16), "fleet path diverged from the mock's spec"
-    head.session.wal.assert_single_contiguous_streams()
-    committed = head.session.wal.session_events(42)
+    head.wal.assert_single_contiguous_streams()
+    committed = head.wal.session_events(42)
     tokens = [t for c in committed if isinstance(c.event.payload, TokenEventPayload.Tokens) for t in c.event.payload.tokens]
     finishes = [c for c in committed if isinstance(c.event.payload, TokenEventPayload.Finish)]
     assert tokens == gen.tokens, "committed tokens diverged"
@@ -54,7 +54,7 @@ def test_fleet_reassignment_fences_and_second_generation_wins(node):
         head.append(7, prompt)
         g2 = head.generate(7, 8)
     assert g2.tokens == g1.tokens == mock_tokens(prompt, 8), "same prompt, same greedy output"
-    head.session.wal.assert_single_contiguous_streams()
+    head.wal.assert_single_contiguous_streams()
 
 
 def test_a_node_refusal_reports_a_finish_reason_instead_of_dropping_the_link(start_node):

@@ -13,12 +13,12 @@ def test_reconnect_holds_session_and_resumes_generation(node):
         head.append(11, prompt)
         g1 = head.generate(11, 8)
         assert g1.tokens == mock_tokens(prompt, 8)
-        committed_before = head.session.wal.total_committed()
+        committed_before = head.wal.total_committed()
 
         ack = head.reconnect()
         assert [s.held for s in ack.sessions] == [True]
-        assert head.session.wal.total_committed() == committed_before, "reconnect committed phantom events"
+        assert head.wal.total_committed() == committed_before, "reconnect committed phantom events"
 
         g2 = head.generate(11, 8)
         assert g2.tokens == g1.tokens, "resumed generation diverged"
-        head.session.wal.assert_single_contiguous_streams()
+        head.wal.assert_single_contiguous_streams()

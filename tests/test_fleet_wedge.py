@@ -19,7 +19,7 @@ def test_silent_connection_does_not_wedge_the_node(start_node):
         head.append(1, PROMPT)
         gen = head.generate(1, 8)
         assert gen.tokens == mock_tokens(PROMPT, 8), "node served the real head after the silent one"
-        head.session.wal.assert_single_contiguous_streams()
+        head.wal.assert_single_contiguous_streams()
     assert hung_up(silent, 2.0)
     silent.close()
 
@@ -36,7 +36,7 @@ def test_idle_drop_is_transparent_to_the_caller(start_node):
         assert [s.held for s in head.reconnect().sessions] == [True]
         g2 = head.generate(5, 8)
         assert g2.tokens == g1.tokens, "transparent resume produced different output"
-        head.session.wal.assert_single_contiguous_streams()
+        head.wal.assert_single_contiguous_streams()
 
 
 def test_node_rejects_wrong_credential_and_non_head(start_node):

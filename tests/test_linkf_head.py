@@ -1,4 +1,4 @@
-"""linkf.head and linkf.wal: the unit tests of head.rs, ported, and the end-to-end session tests
+"""linkf.head and the kit's WalStub: the unit tests of head.rs, ported, and the end-to-end session tests
 of linkf_e2e.rs / linkf_tcp.rs over real endpoints."""
 
 import threading
@@ -7,7 +7,8 @@ import pytest
 from linkpairs import tcp_pair, unix_pair
 from polling import TIMEOUT
 
-from linkf import AgentAction, AgentSession, HeadSession, WalStub
+from conformance.wal import WalStub
+from linkf import AgentAction, AgentSession, HeadSession
 from proto import postcard
 from proto.handshake import CapacitySummary, HelloAckF, LinkFLimits
 from proto.linkf import (
@@ -43,7 +44,8 @@ def batch(*events):
 
 
 def test_generate_retry_reuses_ids():
-    h = HeadSession()
+    wal = WalStub()
+    h = HeadSession(commit=wal.commit)
     h.assign_session(1, 5, LEASE, 0, "chatml")
     g1 = h.generate(1, 100, BUDGETS)
     g2 = h.generate(1, 100, BUDGETS)
@@ -52,29 +54,32 @@ def test_generate_retry_reuses_ids():
 
 
 def test_retransmit_commits_zero_bytes_and_reacks():
-    h = HeadSession()
+    wal = WalStub()
+    h = HeadSession(commit=wal.commit)
     h.assign_session(1, 5, LEASE, 0, "chatml")
     b = batch(ev(1, 5, 100, 0), ev(1, 5, 100, 1))
     acks = h.on_token_events(b)
     assert [a.watermark for a in acks] == [1]
-    assert h.wal.total_committed() == 2
+    assert wal.total_committed() == 2
     acks = h.on_token_events(b)
     assert [a.watermark for a in acks] == [1]
-    assert h.wal.total_committed() == 2
+    assert wal.total_committed() == 2
 
 
 def test_stale_epoch_events_never_commit():
-    h = HeadSession()
+    wal = WalStub()
+    h = HeadSession(commit=wal.commit)
     h.assign_session(1, 5, LEASE, 0, "chatml")
     h.on_token_events(batch(ev(1, 5, 100, 0)))
     h.assign_session(1, 6, LEASE, 0, "chatml")
     assert h.on_token_events(batch(ev(1, 5, 100, 1))) == []
-    assert h.wal.total_committed() == 1
-    h.wal.assert_single_contiguous_streams()
+    assert wal.total_committed() == 1
+    wal.assert_single_contiguous_streams()
 
 
 def test_reconcile_reports_none_when_nothing_committed():
-    h = HeadSession()
+    wal = WalStub()
+    h = HeadSession(commit=wal.commit)
     h.assign_session(1, 5, LEASE, 0, "chatml")
     h.generate(1, 100, GenerationBudgetsMsg(max_new_tokens=4, max_wall_ms=100))
     (s,) = h.reconcile().sessions
@@ -82,10 +87,11 @@ def test_reconcile_reports_none_when_nothing_committed():
 
 
 def test_a_gap_commits_nothing_and_is_not_acknowledged():
-    h = HeadSession()
+    wal = WalStub()
+    h = HeadSession(commit=wal.commit)
     h.assign_session(1, 5, LEASE)
     assert h.on_token_events(batch(ev(1, 5, 100, 1))) == []
-    assert h.wal.total_committed() == 0
+    assert wal.total_committed() == 0
 
 
 def test_commands_count_up_and_set_the_session_watermark():
@@ -100,7 +106,8 @@ def test_commands_count_up_and_set_the_session_watermark():
 
 
 def test_lease_renewals_are_granted_for_the_current_epoch_only():
-    h = HeadSession()
+    wal = WalStub()
+    h = HeadSession(commit=wal.commit)
     h.assign_session(1, 5, LEASE)
     grant = h.on_lease_renew(LeaseRenewMsg(session_id=1, epoch=5))
     assert (grant.epoch, grant.duration_ms, grant.renew_by_ms) == (5, 1000, 600)
@@ -109,7 +116,8 @@ def test_lease_renewals_are_granted_for_the_current_epoch_only():
 
 
 def test_revoke_and_reconcile_ack():
-    h = HeadSession()
+    wal = WalStub()
+    h = HeadSession(commit=wal.commit)
     h.assign_session(1, 5, LEASE)
     h.assign_session(2, 6, LEASE)
     r = h.revoke(1)
@@ -172,7 +180,8 @@ def tokens(*ts):
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("make", [unix_pair, tcp_pair], ids=["unix", "tcp"])
 def test_session_lifecycle_recovery_and_fencing(make):
-    head, agent = HeadSession(), AgentSession()
+    wal = WalStub()
+    head, agent = HeadSession(commit=wal.commit), AgentSession()
     head_ep, agent_ep = connect(make)
     lease = Lease(duration_ms=10_000, renew_by_ms=6_000)
     head_ep.send(msg_type.SESSION_ASSIGN, head.assign_session(1, 5, lease, 0, "chatml"))
@@ -188,7 +197,7 @@ def test_session_lifecycle_recovery_and_fencing(make):
     for t, msg in read(head_ep, 3):
         assert t == msg_type.TOKEN_EVENTS
         acks += head.on_token_events(msg)
-    assert head.wal.total_committed() == 3
+    assert wal.total_committed() == 3
     agent.on_watermark_ack(acks[0])
     assert agent.unacked_events(1, 100) == 2
     head_ep.close()
@@ -209,20 +218,20 @@ def test_session_lifecycle_recovery_and_fencing(make):
     assert head.on_token_events(b4)[0].watermark == 3
     _, again = agent.on_reconcile(head.reconcile(), 1100)
     assert [[e.event_seq for e in b.events] for b in again] == [[4]]
-    before = head.wal.total_committed()
+    before = wal.total_committed()
     head.on_token_events(again[0])
-    assert head.wal.total_committed() == before + 1
+    assert wal.total_committed() == before + 1
     acks = head.on_token_events(again[0])
-    assert head.wal.total_committed() == before + 1
+    assert wal.total_committed() == before + 1
     assert acks[0].watermark == 4
 
     old_agent, new_agent = agent, AgentSession()
     assert new_agent.on_assign(head.assign_session(1, 6, lease, 0, "chatml"), 2000)
     assert new_agent.on_generate(head.generate(1, 101, GenerationBudgetsMsg(max_new_tokens=4, max_wall_ms=500)))
     late = old_agent.emit(1, 100, tokens(99))
-    before = head.wal.total_committed()
+    before = wal.total_committed()
     assert head.on_token_events(late) == []
-    assert head.wal.total_committed() == before
+    assert wal.total_committed() == before
     ack, _ = old_agent.on_reconcile(head.reconcile(), 2100)
     assert not ack.sessions[0].held
     assert old_agent.is_fenced(1) is True
@@ -234,11 +243,12 @@ def test_session_lifecycle_recovery_and_fencing(make):
     assert new_agent.poll(19_000) == [AgentAction.SelfFence(session_id=1)]
     assert new_agent.emit(1, 101, tokens(8)) is None
     assert new_agent.unacked_events(1, 101) == 1
-    head.wal.assert_single_contiguous_streams()
+    wal.assert_single_contiguous_streams()
 
 
 def test_stale_lease_grant_for_superseded_epoch_rejected():
-    head, agent = HeadSession(), AgentSession()
+    wal = WalStub()
+    head, agent = HeadSession(commit=wal.commit), AgentSession()
     agent.on_assign(head.assign_session(1, 5, LEASE, 0, "chatml"), 0)
     renew = LeaseRenewMsg(session_id=1, epoch=5)
     grant = head.on_lease_renew(renew)

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from conformance.wal import WalStub
 from linkf import AgentSession, HeadSession
 from proto import postcard
 from proto.linkf import GenerationBudgetsMsg, Lease, TokenEventPayload, decode_payload, msg_type
@@ -41,7 +42,8 @@ class Pipe:
 class LinkF(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.head = HeadSession()
+        self.wal = WalStub()
+        self.head = HeadSession(commit=self.wal.commit)
         self.agent = AgentSession()
         self.to_agent, self.to_head = Pipe(), Pipe()
         self.now = 0
@@ -195,7 +197,7 @@ class LinkF(RuleBasedStateMachine):
         for ack in self.head.on_token_events(batch):
             send_ack(msg_type.WATERMARK_ACK, ack)
         for sid in SESSIONS:
-            log = self.head.wal.session_events(sid)
+            log = self.wal.session_events(sid)
             for c in log[self.checked_in_wal.get(sid, 0) :]:
                 e = c.event
                 assert e.epoch == self.latest_epoch[sid], f"stale epoch {e.epoch} committed"
@@ -214,7 +216,7 @@ class LinkF(RuleBasedStateMachine):
         held = {s.session_id for s in ack.sessions if s.held}
         for (sid, epoch, gid), last in self.finished.items():
             if sid in held and self.head.current_epoch(sid) == epoch:
-                got = self.head.wal.generation_events(sid, epoch, gid)
+                got = self.wal.generation_events(sid, epoch, gid)
                 assert [e.event_seq for e in got] == list(range(last + 1)), (sid, epoch, gid)
                 assert isinstance(got[-1].payload, TokenEventPayload.Finish)
         self.replace_lost(ack)
@@ -227,11 +229,11 @@ class LinkF(RuleBasedStateMachine):
 
     @invariant()
     def streams_are_single_and_contiguous(self):
-        self.head.wal.assert_single_contiguous_streams()
+        self.wal.assert_single_contiguous_streams()
         keys = [
             (c.event.session_id, c.event.epoch, c.event.generation_id, c.event.event_seq)
             for sid in SESSIONS
-            for c in self.head.wal.session_events(sid)
+            for c in self.wal.session_events(sid)
         ]
         assert len(keys) == len(set(keys)), "an event was committed twice"
 

@@ -1,5 +1,6 @@
-"""The head's write-ahead log, reduced to what the tests check: every committed token event,
-per session, in commit order."""
+"""The head's write-ahead log, reduced to what a check needs: every committed token event, per
+session, in commit order. A head commits into it through `HeadSession`'s `commit` callback; the
+node never uses it, so it lives in the kit rather than in `linkf`."""
 
 from __future__ import annotations
 
