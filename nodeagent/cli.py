@@ -8,6 +8,7 @@ drains on SIGTERM/SIGINT: it stops accepting, lets running generations finish, a
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import re
@@ -24,7 +25,8 @@ DEFAULT_LISTEN = "0.0.0.0:8454"
 DEFAULT_LANES = 8
 DEFAULT_MOCK_CONTEXT = 4096
 MIN_CONTEXT = 512
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+LOG_FORMATS = ("text", "json")
 #: ASCII whitespace as Rust's `trim_ascii` sees it (no vertical tab).
 ASCII_WHITESPACE = b" \t\n\r\x0c"
 
@@ -32,7 +34,11 @@ USAGE = f"""\
 usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>] \
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
-[--device auto|cpu|cuda] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N]
+[--device auto|cpu|cuda|cuda:N] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] \
+[--metrics-listen <ip:port>] [--log-format text|json]
+       {PROGRAM} join <head-host:port> --model <path|builtin> [--token <value>] [the flags above \
+but --listen]
+       {PROGRAM} --version
 
 The model is a Hugging Face checkpoint directory (config.json and *.safetensors) or `builtin`,
 the small embedded model, served by the torch runtime; `--runtime mock` (alias --engine) needs
@@ -43,8 +49,18 @@ no model. Nothing is downloaded.
  --max-context defaults to 4096 for the mock and to what the device holds for torch, at least
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
  SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests.
+ --metrics-listen serves Prometheus text at /metrics and a health check at /health;
+ --log-format json writes one JSON object a line.
+ `join` dials the head instead of listening, one connection per lane, and dials again when a
+ link drops; --token stores the head's token at $SUPERFLUID_HOME/fleet/token first.
  There is no sampling flag here: a fleet generation must match the local path token for
- token, so the node applies only what the request carries.)"""
+ token, so the node applies only what the request carries.)
+
+Environment: SUPERFLUID_HOME (default ~/.superfluid: the fleet token lives in fleet/token),
+SUPERFLUID_NODE_NAME (the identity when --identity is not given), SUPERFLUID_LOG, else
+RUST_LOG (log filter: `info`, `warn,nodeagent=debug`, `off`; default info).
+Exit codes: 0 drained, 1 unreadable token file or port in use, 2 usage or refused token,
+3 model load."""
 
 log = logging.getLogger("nodeagent.cli")
 
@@ -59,13 +75,20 @@ class Exit(Exception):
 
 
 class UsageError(Exit):
-    def __init__(self):
-        super().__init__(2)
+    """A command line the node cannot run: `reason` (naming the flag) on one line, then the
+    usage, exit 2. No reason for `--help`, which Rust also answers with the usage and 2."""
+
+    def __init__(self, reason: str | None = None):
+        super().__init__(2, reason)
+
+
+class ShowVersion(Exception):
+    """`--version`: the version on stdout, exit 0."""
 
 
 def say(message: str) -> None:
     """One whole `superfluid-noded:` line on stderr, flushed at once: tools scrape these."""
-    logs.write_line(f"{PROGRAM}: {message}")
+    logs.console(PROGRAM, message)
 
 
 @dataclass
@@ -86,34 +109,66 @@ class Options:
     kv_budget_mb: int | None = None
     drain_timeout_ms: int = 30_000
     token_delay_ms: int = 0
+    metrics_listen: str | None = None
+    log_format: str = "text"
+    #: The head's address in join mode (`superfluid-noded join HOST:PORT`); None: listen mode.
+    join: str | None = None
+    #: `--token` (join mode): stored at $SUPERFLUID_HOME/fleet/token before it is read.
+    token: str | None = None
+
+
+# Each value parser raises ValueError saying what the flag takes; parse_args adds the flag and
+# the value given.
 
 
 def _count(v: str) -> int:
     """An unsigned integer, as Rust parses a `u32`/`u64` flag."""
-    if not re.fullmatch(r"\+?[0-9]+", v):
-        raise ValueError(v)
+    if not re.fullmatch(r"\+?[0-9]+", v) or int(v) >= 2**64:
+        raise ValueError("a whole number, 0 or more")
     return int(v)
 
 
 def _signed(v: str) -> int:
     """A signed integer, as Rust parses `--max-context` (an `i32`)."""
     if not re.fullmatch(r"[+-]?[0-9]+", v) or not -(2**31) <= int(v) < 2**31:
-        raise ValueError(v)
+        raise ValueError("a whole number")
     return int(v)
 
 
 def _device(v: str) -> str:
-    if v not in DEVICES:
-        raise ValueError(v)
+    if v not in DEVICES[:3] and not re.fullmatch(r"cuda:[0-9]+", v):
+        raise ValueError(" or ".join(DEVICES))
+    return v
+
+
+def _runtime(v: str) -> str:
+    if v not in RUNTIMES:
+        raise ValueError(f"a runtime id: {' or '.join(RUNTIMES)}")
+    return v
+
+
+def _address(v: str) -> str:
+    """`ip:port` (`[v6]:port`, or a host name) with a port of 0 (any free port) to 65535."""
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError("an address <ip:port>, such as 127.0.0.1:8454")
+    if int(port) > 65535:
+        raise ValueError("<ip:port> with a port from 0 to 65535 (0: any free port)")
+    return v
+
+
+def _log_format(v: str) -> str:
+    if v not in LOG_FORMATS:
+        raise ValueError(" or ".join(LOG_FORMATS))
     return v
 
 
 #: flag -> (field, parser); a parser of None marks a switch.
 FLAGS = {
-    "--listen": ("listen", str),
+    "--listen": ("listen", _address),
     "--model": ("model", str),
-    "--runtime": ("runtime", str),
-    "--engine": ("runtime", str),
+    "--runtime": ("runtime", _runtime),
+    "--engine": ("runtime", _runtime),
     "--max-context": ("max_context", _signed),
     "--max-batch": ("max_batch", _count),
     "--identity": ("identity", str),
@@ -127,31 +182,63 @@ FLAGS = {
     "--kv-budget-mb": ("kv_budget_mb", _count),
     "--drain-timeout-ms": ("drain_timeout_ms", _count),
     "--token-delay-ms": ("token_delay_ms", _count),
+    "--metrics-listen": ("metrics_listen", _address),
+    "--log-format": ("log_format", _log_format),
+    "--token": ("token", str),
 }
+#: Flags whose value is a free string, named in the "takes a value" message.
+_VALUE_NAMES = {"--model": "<path|builtin>", "--identity": "<name>", "--model-name": "<id>",
+                "--auth-file": "<path>", "--token": "<value>"}
 
 
 def parse_args(argv: list[str]) -> Options:
-    """The options `argv` gives; UsageError for an unknown flag, a missing or malformed value."""
+    """The options `argv` gives; UsageError naming the flag for an unknown flag, a missing or
+    malformed value, or a flag of the other mode; ShowVersion for `--version`."""
     opts = Options()
+    if argv[:1] == ["join"]:
+        argv = argv[1:]
+        if not argv or argv[0].startswith("-"):
+            raise UsageError("join takes the head's address first: join <head-host:port> --model ...")
+        try:
+            opts.join = _address(argv[0])
+        except ValueError as e:
+            raise UsageError(f"join takes {e}, got {argv[0]!r}") from None
+        argv = argv[1:]
+    seen = _parse_flags(argv, opts)
+    opts.max_batch = max(opts.max_batch, 1)
+    if opts.join is not None and "--listen" in seen:
+        raise UsageError("--listen is for listen mode; join dials the head instead")
+    if opts.join is None and "--token" in seen:
+        raise UsageError("--token is for join mode; a listening node reads --auth-file <path>")
+    if opts.model is None and opts.runtime != "mock":
+        raise UsageError("--model <path|builtin> is required (only --runtime mock needs none)")
+    return opts
+
+
+def _parse_flags(argv: list[str], opts: Options) -> set[str]:
+    """Sets `opts` from `argv`'s flags; the flags seen."""
+    seen: set[str] = set()
     it = iter(argv)
     for arg in it:
-        if arg not in FLAGS:
+        if arg == "--version":
+            raise ShowVersion()
+        if arg in ("--help", "-h"):
             raise UsageError()
+        if arg not in FLAGS:
+            raise UsageError(f"unknown flag {arg!r}" if arg.startswith("-") else f"unexpected argument {arg!r}")
+        seen.add(arg)
         field, parse = FLAGS[arg]
         if parse is None:
             setattr(opts, field, True)
             continue
         value = next(it, None)
         if value is None:
-            raise UsageError()
+            raise UsageError(f"{arg} takes a value {_VALUE_NAMES.get(arg, '')}".rstrip())
         try:
             setattr(opts, field, parse(value))
-        except ValueError:
-            raise UsageError() from None
-    opts.max_batch = max(opts.max_batch, 1)
-    if opts.model is None and opts.runtime != "mock":
-        raise UsageError()
-    return opts
+        except ValueError as e:
+            raise UsageError(f"{arg} takes {e}, got {value!r}") from None
+    return seen
 
 
 def loopback(listen: str) -> bool:
@@ -183,6 +270,13 @@ def fleet_token(opts: Options) -> bytes:
             token = Path(opts.auth_file).read_bytes().strip(ASCII_WHITESPACE)
         except OSError as e:
             raise Exit(1, f"cannot read --auth-file {opts.auth_file}: {_os_error(e)}") from None
+        if not token and not loopback(opts.listen) and not opts.insecure_no_auth:
+            raise Exit(
+                2,
+                f"refusing to serve {opts.listen}: --auth-file {opts.auth_file} holds no token (it "
+                "is empty or only whitespace). Put the head's `superfluid fleet token` in it, bind "
+                "to loopback, or pass --insecure-no-auth to accept transport-only trust.",
+            )
     else:
         home = superfluid_home()
         token = read_default_token(home) or b""
@@ -241,8 +335,6 @@ def show_addr(addr: tuple) -> str:
 def pick_runtime(opts: Options) -> str:
     """The runtime asked for, else the one the model's format needs; Exit(3) when none fits."""
     if opts.runtime is not None:
-        if opts.runtime not in RUNTIMES:
-            raise Exit(3, f"--runtime '{opts.runtime}' is not a runtime id (one of {', '.join(RUNTIMES)})")
         return opts.runtime
     model = opts.model or ""
     if model == "builtin" or (Path(model) / "config.json").is_file():
@@ -279,9 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     logs.init_stderr(logs.filter_from_env(), PROGRAM)
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return run(parse_args(argv))
-    except UsageError:
-        print(USAGE, file=sys.stderr, flush=True)
+        opts = parse_args(argv)
+        if opts.log_format != "text":
+            logs.init_stderr(logs.filter_from_env(), PROGRAM, opts.log_format)
+        return run(opts)
+    except ShowVersion:
+        print(f"{PROGRAM} {version()}", flush=True)
+        return 0
+    except UsageError as e:
+        if e.message:
+            say(e.message)
+        logs.write_line(USAGE)
         return 2
     except Exit as e:
         if e.message:
@@ -312,6 +412,14 @@ def run(opts: Options) -> int:
         return node.serve_until_signalled(listener)
     finally:
         listener.close()
+
+
+def version() -> str:
+    """The installed package's version (the checkout's pyproject when not installed)."""
+    try:
+        return importlib.metadata.version("superfluid-node-py")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def identity(opts: Options) -> str:

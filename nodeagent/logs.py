@@ -5,10 +5,17 @@ tools, so a line reads `2026-01-02T03:04:05.678901Z  WARN nodeagent::agent: mess
 the level comes from the same kind of filter: `SUPERFLUID_LOG`, else `RUST_LOG`, else `info`;
 a filter is `level` or `target=level` directives separated by commas (`warn,nodeagent=debug`).
 Key-value fields ride on a record as `extra={"fields": {...}}`.
+
+The `superfluid-noded: ...` lines that tools scrape (the serving line, refusals, the drain) go
+through the same logging as a record of their own level, `CONSOLE`, on the logger named after
+the program: in the text format they keep the Rust wording exactly, every filter but `off`
+lets them through (Rust prints them whatever `RUST_LOG` says), and `--log-format json` turns
+them into JSON like every other record.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -17,6 +24,9 @@ import time
 
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
+#: The level of a `program: message` line: above every level a filter names, below `off`.
+CONSOLE = logging.CRITICAL + 5
+logging.addLevelName(CONSOLE, "CONSOLE")
 
 LEVELS = {
     "trace": TRACE,
@@ -32,24 +42,65 @@ LEVELS = {
 #: the lines, and two threads must never merge theirs.
 _LINE_LOCK = threading.Lock()
 
-_NAMES = {TRACE: "TRACE", logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARN"}
+_NAMES = {TRACE: "TRACE", logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARN", CONSOLE: "INFO"}
+
+
+def _level(record: logging.LogRecord) -> str:
+    return _NAMES.get(record.levelno, "ERROR" if record.levelno >= logging.ERROR else "INFO")
+
+
+def _stamp(record: logging.LogRecord) -> str:
+    """RFC 3339 UTC with microseconds, as tracing prints it."""
+    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{seconds}.{int(record.created % 1 * 1_000_000):06d}Z"
 
 
 class TracingFormatter(logging.Formatter):
     """`<RFC 3339 UTC, microseconds>  LEVEL target: message k=v` (the level right-aligned in 5)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        micros = int(record.created % 1 * 1_000_000)
-        level = _NAMES.get(record.levelno, "ERROR" if record.levelno >= logging.ERROR else "INFO")
+        if record.levelno == CONSOLE:
+            return f"{record.name}: {record.getMessage()}"
         target = record.name.replace(".", "::")
-        line = f"{stamp}.{micros:06d}Z {level:>5} {target}: {record.getMessage()}"
+        line = f"{_stamp(record)} {_level(record):>5} {target}: {record.getMessage()}"
         fields = getattr(record, "fields", None)
         if fields:
             line += "".join(f" {k}={v}" for k, v in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line, for log shippers: `timestamp`, `level`, `target` (the tracing
+    target; `superfluid-noded` for the console lines), `message`, then the record's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "timestamp": _stamp(record),
+            "level": _level(record),
+            "target": record.name.replace(".", "::"),
+            "message": record.getMessage(),
+        }
+        for key, value in (getattr(record, "fields", None) or {}).items():
+            entry.setdefault(key, value if isinstance(value, (int, float, bool, type(None))) else str(value))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+FORMATTERS = {"text": TracingFormatter, "json": JsonFormatter}
+
+
+def fields(**values) -> dict:
+    """A record's key=value fields, to pass as `extra=`: printed after the message (text) or
+    as keys of the object (JSON)."""
+    return {"fields": values}
+
+
+def console(program: str, message: str) -> None:
+    """A `program: message` line (the lines tools scrape), through logging at `CONSOLE`."""
+    logging.getLogger(program).log(CONSOLE, message)
 
 
 def write_line(line: str, stream=None) -> None:
@@ -89,15 +140,16 @@ def filter_from_env(env=os.environ) -> str:
     return env.get("SUPERFLUID_LOG") or env.get("RUST_LOG") or "info"
 
 
-def init_stderr(spec: str, program: str = "superfluid-noded") -> None:
-    """Sends every log record to stderr as the Rust node does; a bad filter falls back to info."""
+def init_stderr(spec: str, program: str = "superfluid-noded", fmt: str = "text") -> None:
+    """Sends every log record to stderr, as the Rust node does (`fmt` "text") or as JSON lines
+    ("json"); a bad filter falls back to info."""
     try:
         default, targets = parse_filter(spec)
     except ValueError as e:
         print(f"{program}: logging: log filter {spec!r}: {e} (using \"info\")", file=sys.stderr)
         default, targets = logging.INFO, {}
     handler = LineHandler(sys.stderr)
-    handler.setFormatter(TracingFormatter())
+    handler.setFormatter(FORMATTERS[fmt]())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(default)

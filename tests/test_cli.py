@@ -47,27 +47,64 @@ def write_token(home, content):
     return path
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        [],
-        ["--listen", "127.0.0.1:0"],
-        ["--bogus"],
-        ["--engine", "mock", "--listen"],
-        ["--engine", "mock", "--max-batch", "x"],
-        ["--engine", "mock", "--max-batch", "-1"],
-        ["--engine", "mock", "--max-context", "1.5"],
-        ["--engine", "mock", "--handshake-timeout-ms", "-5"],
-        ["--engine", "mock", "--idle-timeout-ms", "10s"],
-        ["--engine", "mock", "--device", "tpu"],
-        ["--engine", "torch"],
-    ],
-)
-def test_usage_errors_print_the_usage_and_exit_2(home, args):
+USAGE_START = "usage: superfluid-noded --model <path|builtin>"
+
+#: (argv, the one line that says what is wrong): each exits 2 with that line, then the usage.
+BAD_INVOCATIONS = [
+    ([], "--model <path|builtin> is required (only --runtime mock needs none)"),
+    (["--listen", "127.0.0.1:0"], "--model <path|builtin> is required (only --runtime mock needs none)"),
+    (["--engine", "torch"], "--model <path|builtin> is required (only --runtime mock needs none)"),
+    (["--bogus"], "unknown flag '--bogus'"),
+    (["--engine", "mock", "stray"], "unexpected argument 'stray'"),
+    (["--engine", "mock", "--listen"], "--listen takes a value"),
+    (["--engine", "mock", "--identity"], "--identity takes a value <name>"),
+    (["--engine", "mock", "--max-batch", "abc"], "--max-batch takes a whole number, 0 or more, got 'abc'"),
+    (["--engine", "mock", "--max-batch", "-1"], "--max-batch takes a whole number, 0 or more, got '-1'"),
+    (["--engine", "mock", "--max-context", "1.5"], "--max-context takes a whole number, got '1.5'"),
+    (["--engine", "mock", "--handshake-timeout-ms", "-5"], "--handshake-timeout-ms takes a whole number, 0 or more, got '-5'"),
+    (["--engine", "mock", "--idle-timeout-ms", "10s"], "--idle-timeout-ms takes a whole number, 0 or more, got '10s'"),
+    (["--engine", "mock", "--device", "tpu"], "--device takes auto or cpu or cuda or cuda:N, got 'tpu'"),
+    (["--engine", "mock", "--device", "cuda:x"], "--device takes auto or cpu or cuda or cuda:N, got 'cuda:x'"),
+    (["--runtime", "vllm", "--model", "m"], "--runtime takes a runtime id: mock or torch, got 'vllm'"),
+    (["--engine", "mock", "--listen", "8454"], "--listen takes an address <ip:port>, such as 127.0.0.1:8454, got '8454'"),
+    (
+        ["--engine", "mock", "--listen", "127.0.0.1:70000"],
+        "--listen takes <ip:port> with a port from 0 to 65535 (0: any free port), got '127.0.0.1:70000'",
+    ),
+    (["--engine", "mock", "--listen", "localhost:http"], "--listen takes an address <ip:port>, such as 127.0.0.1:8454, got 'localhost:http'"),
+    (["--engine", "mock", "--metrics-listen", ":9"], "--metrics-listen takes an address <ip:port>, such as 127.0.0.1:8454, got ':9'"),
+    (["--engine", "mock", "--log-format", "xml"], "--log-format takes text or json, got 'xml'"),
+    (["--engine", "mock", "--token", "t"], "--token is for join mode; a listening node reads --auth-file <path>"),
+    (["join"], "join takes the head's address first: join <head-host:port> --model ..."),
+    (["join", "--engine", "mock"], "join takes the head's address first: join <head-host:port> --model ..."),
+    (["join", "head", "--engine", "mock"], "join takes an address <ip:port>, such as 127.0.0.1:8454, got 'head'"),
+    (["join", "127.0.0.1:1", "--engine", "mock", "--listen", "127.0.0.1:0"], "--listen is for listen mode; join dials the head instead"),
+]
+
+
+@pytest.mark.parametrize("args, reason", BAD_INVOCATIONS, ids=[" ".join(a) or "(none)" for a, _ in BAD_INVOCATIONS])
+def test_a_bad_invocation_says_what_is_wrong_in_one_line_then_the_usage_and_exits_2(home, args, reason):
     out = noded(home, *args)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.startswith("usage: superfluid-noded --model <path|builtin>"), out.stderr
+    first, *rest = out.stderr.splitlines()
+    assert first == f"superfluid-noded: {reason}"
+    assert rest[0].startswith(USAGE_START), out.stderr
     assert "--insecure-no-auth" in out.stderr and out.stdout == ""
+
+
+def test_the_usage_names_the_environment_and_the_exit_codes():
+    for name in ("SUPERFLUID_HOME", "SUPERFLUID_NODE_NAME", "SUPERFLUID_LOG", "RUST_LOG", "Exit codes"):
+        assert name in cli.USAGE
+
+
+def test_version_prints_the_package_version_and_exits_0(home):
+    out = noded(home, "--version")
+    assert out.returncode == 0 and out.stderr == ""
+    assert re.fullmatch(r"superfluid-noded \d+\.\d+\.\d+\S*\n", out.stdout), out.stdout
+
+
+def test_cuda_n_is_a_device_the_command_line_takes():
+    assert cli.parse_args(["--model", "builtin", "--device", "cuda:1"]).device == "cuda:1"
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
@@ -75,7 +112,7 @@ def test_help_is_a_usage_error_as_in_the_rust_binary(home, flag):
     """The Rust binary knows no --help: any flag it does not know prints the usage and exits 2.
     Scripts written against it see the same here."""
     out = noded(home, flag)
-    assert out.returncode == 2 and out.stderr.startswith("usage: superfluid-noded") and out.stdout == ""
+    assert out.returncode == 2 and out.stderr.startswith(USAGE_START) and out.stdout == ""
 
 
 def test_an_open_listener_without_a_token_is_refused_before_anything_loads(home):
@@ -99,6 +136,16 @@ def test_an_empty_token_file_counts_as_no_token(home):
     write_token(home, b" \n\t ")
     out = noded(home, "--listen", "0.0.0.0:0", "--engine", "mock")
     assert out.returncode == 2 and REFUSAL.format(listen="0.0.0.0:0") in out.stderr
+
+
+def test_an_empty_auth_file_is_named_as_empty(home):
+    empty = home / "token"
+    empty.write_bytes(b"\n")
+    out = noded(home, "--listen", "0.0.0.0:0", "--engine", "mock", "--auth-file", str(empty))
+    assert out.returncode == 2
+    assert out.stderr.startswith(
+        f"superfluid-noded: refusing to serve 0.0.0.0:0: --auth-file {empty} holds no token (it is empty"
+    ), out.stderr
 
 
 def test_the_default_token_file_is_used_and_named(home):
@@ -158,10 +205,10 @@ def test_a_port_in_use_exits_1(home):
     )
 
 
-def test_an_address_that_is_no_address_exits_1(home):
-    out = noded(home, "--listen", "localhost:http", "--engine", "mock")
+def test_an_address_that_does_not_resolve_exits_1(home):
+    out = noded(home, "--listen", "no-such-host.invalid:8454", "--engine", "mock", "--insecure-no-auth")
     assert out.returncode == 1
-    assert out.stderr.strip() == "superfluid-noded: bind localhost:http failed: invalid socket address"
+    assert out.stderr.splitlines()[-1].startswith("superfluid-noded: bind no-such-host.invalid:8454 failed: ")
 
 
 def test_the_port_is_checked_before_the_model(home):
@@ -184,10 +231,11 @@ def test_a_model_of_no_known_format_exits_3(home):
     assert out.returncode == 3 and "--runtime" in out.stderr
 
 
-def test_an_unknown_runtime_exits_3(home):
-    out = noded(home, "--listen", "127.0.0.1:0", "--runtime", "llamacpp", "--model", str(home))
-    assert out.returncode == 3
-    assert "--runtime 'llamacpp' is not a runtime id" in out.stderr
+def test_a_cuda_device_this_torch_cannot_see_exits_3(home):
+    pytest.importorskip("torch").cuda.is_available() and pytest.skip("this machine has CUDA")
+    out = noded(home, "--listen", "127.0.0.1:0", "--model", "builtin", "--device", "cuda:0", timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "cuda:0" in out.stderr.splitlines()[-1]
 
 
 def test_a_model_that_fails_to_load_exits_3(home):
