@@ -49,7 +49,8 @@ def test_builtin_daemon_describes_itself_and_generates(builtin):
     assert builtin.model_name == "builtin"
     assert builtin.max_stream_tokens() == 2048
     assert re.fullmatch(
-        r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, kv pool \d+ blocks",
+        r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, weights 69 MB, "
+        r"kv pool 409 blocks of 16 tokens \(64 MB, taken as used\), \d+ MB free",
         builtin.summary(),
     )
     tokens = generate(builtin, [1, 450, 4996, 17354])

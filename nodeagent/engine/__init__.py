@@ -5,6 +5,8 @@ from __future__ import annotations
 from nodeagent.daemon import Daemon, DaemonError
 
 RUNTIMES = ("mock", "torch")
+#: `--dtype` choices for the torch engine; auto is bf16 on CUDA and fp32 on CPU.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ModelLoadError(DaemonError):
@@ -20,6 +22,7 @@ def open_engine(
     max_context: int | None = None,
     kv_budget_mb: int | None = None,
     token_delay_s: float = 0.0,
+    dtype: str = "auto",
 ) -> Daemon:
     """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
 
@@ -40,5 +43,6 @@ def open_engine(
             max_batch=max_batch,
             max_context=max_context,
             kv_budget_mb=kv_budget_mb,
+            dtype=dtype,
         )
     raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")

@@ -3,6 +3,9 @@
 On CPU (fp32) the weight is pre-packed for oneDNN: measured on the bench machine, that runs the
 few-row matmuls of batched decode 2-3x faster than the MKL path of `F.linear`, and single-row
 decode no slower. Elsewhere (CUDA, or a torch without oneDNN) `F.linear` is the fast path.
+
+A packed weight is opaque (no row can be read back), so a tied lm_head, which is also the
+embedding table, is not packed: one copy serves both, laid out by `tied_layout`.
 """
 
 from __future__ import annotations
@@ -36,13 +39,26 @@ def onednn_linear_works() -> bool:
     return torch.equal(y, F.linear(x, weight))
 
 
-class Linear:
-    """One projection. `weight` is [out, in] as checkpoints store it."""
+def tied_layout(embed: torch.Tensor) -> torch.Tensor:
+    """The embedding table [vocab, hidden] as the tied lm_head multiplies it fastest unpacked.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    Where weights are otherwise packed (CPU fp32), column-major: `F.linear` then runs MKL's
+    plain x @ Wᵀ kernel, measured on the bench machine near the packed speed and several times
+    the row-major one for few rows; an embedding lookup gathers the same values either way.
+    """
+    if can_pack(embed.device, embed.dtype):
+        return embed.t().contiguous().t()
+    return embed
+
+
+class Linear:
+    """One projection. `weight` is [out, in] as checkpoints store it; `pack=False` keeps it as
+    given, for a weight that must stay readable (a tied lm_head)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = can_pack(weight.device, weight.dtype)
+        self.packed = pack and can_pack(weight.device, weight.dtype)
         if self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
         else:

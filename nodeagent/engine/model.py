@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from nodeagent.engine.linear import Linear
+from nodeagent.engine.linear import Linear, tied_layout
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table, rotate_in_place
 
 
@@ -35,6 +35,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    #: Mistral-style local attention: a position sees itself and the window - 1 before it.
+    sliding_window: int | None = None
 
 
 class TensorSource(Protocol):
@@ -102,7 +104,8 @@ class LlamaModel:
         layers = [_layer_weights(c, source, i, take) for i in range(c.n_layers)]
         norm = take("model.norm.weight", c.hidden_size)
         if c.tie_word_embeddings:
-            return cls(config, embed, layers, norm, Linear(embed))
+            embed = tied_layout(embed)
+            return cls(config, embed, layers, norm, Linear(embed, pack=False))
         lm_head = take("lm_head.weight", c.vocab_size, c.hidden_size)
         return cls(config, embed, layers, norm, Linear(lm_head))
 
@@ -131,6 +134,24 @@ class LlamaModel:
         gate, up = w.gate_up(h).chunk(2, dim=-1)
         return x + w.down(F.silu(gate) * up)
 
+    def weight_bytes(self) -> int:
+        """The bytes the weights take (a tied lm_head is the embedding, counted once)."""
+        parts = [self.embed_weight, self.norm, *(p for w in self.layers for p in vars(w).values())]
+        if not self.config.tie_word_embeddings:
+            parts.append(self.lm_head)
+        return sum(p.numel() for p in parts if p is not None) * self.dtype.itemsize
+
+    def attention_mask(self, q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """[B,1,C,n_keys] bool, True where a query at q_positions [B,C] sees key position k:
+        k <= q, and with a sliding window also k > q - window."""
+        keys = torch.arange(n_keys, device=q_positions.device)
+        q = q_positions[:, :, None]
+        mask = keys <= q
+        window = self.config.sliding_window
+        if window is not None:
+            mask &= keys > q - window
+        return mask.unsqueeze(1)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head, in fp32 so sampling and argmax see full precision."""
         h = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
@@ -139,8 +160,9 @@ class LlamaModel:
     def run_causal(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Layers [start, end) over x [1,N,D] at positions 0..N-1, with no KV cache."""
         n = x.shape[1]
-        freqs = self.rope(torch.arange(n, device=self.device).unsqueeze(0))
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None, None]
+        positions = torch.arange(n, device=self.device).unsqueeze(0)
+        freqs = self.rope(positions)
+        mask = self.attention_mask(positions, n)
 
         def attend(_: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             keys, values = kv.permute(2, 0, 3, 1, 4)

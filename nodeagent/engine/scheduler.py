@@ -2,9 +2,15 @@
 
 Callers submit a `Generation` and read its `out` queue; only this thread touches the lanes,
 the KV pool and the model's KV writes. A prompt is prefilled in chunks between decode steps so
-a long prompt never stalls the lanes already running. A generation reserves the KV blocks for
-its whole length when admitted, so it never runs out mid-way; one that cannot get them waits in
-its QoS queue.
+a long prompt never stalls the lanes already running.
+
+KV blocks are taken on demand: a generation is admitted with the blocks of its prompt (less
+whatever prefix the pool already caches) and takes one more block each 16 tokens. When the pool
+runs dry the lowest-priority, latest-admitted lane is preempted, as vLLM does: its blocks go
+back (the full ones stay cached), it waits at the front of its QoS queue, and when admitted
+again it recomputes its prompt and the tokens it already produced, then goes on; its caller
+just sees the tokens come later. A queued generation may also preempt lanes of a lower QoS
+class to get its blocks, so the classes order who waits.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from nodeagent import finish
 from nodeagent.daemon import QOS_CLASSES, GenerationError, SchedStats
-from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for
+from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
 from nodeagent.engine.model import LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
 
@@ -53,20 +59,44 @@ class Generation:
         self.cancelled = False
         self.state = QUEUED
         self.lane = -1
-        self.admitted = 0
+        #: Order of first admission; a preempted generation keeps it, so it is not the first
+        #: victim again the moment it resumes.
+        self.admitted: int | None = None
+        #: The stream, then every token produced so far.
+        self.tokens = list(stream)
         self.blocks: list[int] = []
         self.n_cached = 0
-        self.next_token = 0
-        self.produced = 0
+        #: Prefix-cache keys of the first len(keys) full blocks of `tokens`.
+        self.keys: list[bytes] = []
+        #: Leading blocks already offered to (or taken from) the prefix cache.
+        self.published = 0
 
     @property
-    def kv_tokens(self) -> int:
-        """Positions it will ever write: the stream and every token but the last produced."""
-        return len(self.stream) + self.budget - 1
+    def produced(self) -> int:
+        return len(self.tokens) - len(self.stream)
+
+    @property
+    def target(self) -> int:
+        """Positions the cache must hold before the next decode step: every token but the last
+        produced, which that step feeds (the whole stream before the first token)."""
+        return len(self.tokens) - (1 if self.produced else 0)
 
     @property
     def prefilling(self) -> bool:
-        return self.n_cached < len(self.stream)
+        return self.n_cached < self.target
+
+    @property
+    def priority(self) -> tuple[int, int]:
+        """Smaller runs first and is preempted last: QoS class, then admission order."""
+        return (self.qos, self.admitted)
+
+    def key(self, index: int) -> bytes:
+        """The prefix-cache key of full block `index` of `tokens`, computed once."""
+        while len(self.keys) <= index:
+            n = len(self.keys)
+            previous = self.keys[-1] if self.keys else b""
+            self.keys.append(chain_key(previous, self.tokens[n * BLOCK_TOKENS : (n + 1) * BLOCK_TOKENS]))
+        return self.keys[index]
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -82,17 +112,15 @@ class Scheduler:
         max_batch: int,
         max_context: int,
         prefill_chunk: int = 512,
+        prefix_cache: bool = True,
     ):
         self.model = model
         self.pool = pool
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
         self.eos = frozenset(model.config.eos_token_ids)
-        device = model.device
-        self._block_table = torch.full(
-            (max_batch, blocks_for(max_context)), pool.scratch_block, dtype=torch.long, device=device
-        )
-        self._positions = torch.arange(blocks_for(max_context) * BLOCK_TOKENS, device=device)
+        self._positions = torch.arange(blocks_for(max_context) * BLOCK_TOKENS, device=model.device)
         self._lanes: list[Generation | None] = [None] * max_batch
         self._queues: list[collections.deque[Generation]] = [
             collections.deque() for _ in range(QOS_CLASSES)
@@ -102,6 +130,9 @@ class Scheduler:
         self._admissions = itertools.count()
         self.decode_tokens = 0
         self.prefill_tokens = 0
+        #: Prompt tokens taken from the prefix cache instead of prefilled.
+        self.reused_tokens = 0
+        self.preemptions = 0
         self._thread = threading.Thread(target=self._run, name="torch-scheduler", daemon=True)
         self._thread.start()
 
@@ -165,7 +196,7 @@ class Scheduler:
         prefill = self._pick_prefill([g for g in self._running() if g.prefilling])
         if prefill:
             self._guarded([g for g, _ in prefill], lambda: self._prefill_step(prefill))
-        decode = [g for g in self._running() if not g.prefilling]
+        decode = self._grow([g for g in self._running() if not g.prefilling])
         if decode:
             self._guarded(decode, lambda: self._decode_step(decode))
 
@@ -184,20 +215,65 @@ class Scheduler:
         free_lanes = [i for i, g in enumerate(self._lanes) if g is None]
         for q in self._queues:
             while q and free_lanes:
-                gen = q[0]
-                blocks = self.pool.allocate(blocks_for(gen.kv_tokens))
-                if blocks is None:
+                if not self._start(q[0], free_lanes[0]):
                     return
                 q.popleft()
-                self._start(gen, free_lanes.pop(0), blocks)
+                free_lanes.pop(0)
 
-    def _start(self, gen: Generation, lane: int, blocks: list[int]) -> None:
-        gen.state, gen.lane, gen.blocks = RUNNING, lane, blocks
-        gen.admitted = next(self._admissions)
-        table = self._block_table[lane]
-        table.fill_(self.pool.scratch_block)
-        table[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    def _start(self, gen: Generation, lane: int) -> bool:
+        """Give `gen` the lane and the blocks of what it must prefill, reusing cached ones;
+        False (nothing taken) when the pool cannot spare them even after preempting lanes of a
+        lower class. Each running lane keeps one block of headroom to grow into."""
+        reusable = (gen.target - 1) // BLOCK_TOKENS if self.prefix_cache else 0
+        cached = self.pool.match([gen.key(i) for i in range(reusable)])
+        need = blocks_for(gen.target) - len(cached)
+        while need + len(self._running()) > self.pool.available - self.pool.idle_among(cached):
+            lower = [g for g in self._running() if g.qos > gen.qos]
+            if not lower:
+                return False
+            self._preempt(max(lower, key=lambda g: g.priority))
+        self.pool.hold(cached)
+        gen.state, gen.lane = RUNNING, lane
+        if gen.admitted is None:
+            gen.admitted = next(self._admissions)
+        gen.blocks = cached + self.pool.allocate(need)
+        gen.published, gen.n_cached = len(cached), len(cached) * BLOCK_TOKENS
+        self.reused_tokens += gen.n_cached
         self._lanes[lane] = gen
+        return True
+
+    def _grow(self, gens: list[Generation]) -> list[Generation]:
+        """Give each of `gens` the block its next token needs, highest priority first,
+        preempting the lowest-priority lane (perhaps one of `gens`) while the pool is dry.
+        Returns those of `gens` still running."""
+        for gen in sorted(gens, key=lambda g: g.priority):
+            while gen.state == RUNNING and blocks_for(gen.n_cached + 1) > len(gen.blocks):
+                block = self.pool.allocate(1)
+                if block is None:
+                    self._preempt(max(self._running(), key=lambda g: g.priority))
+                else:
+                    gen.blocks += block
+        return [g for g in gens if g.state == RUNNING]
+
+    def _preempt(self, gen: Generation) -> None:
+        """Take `gen`'s lane and blocks; it waits at the front of its queue to recompute."""
+        self._publish(gen)
+        self.pool.release(gen.blocks)
+        gen.blocks, gen.n_cached, gen.published = [], 0, 0
+        self._lanes[gen.lane] = None
+        self.preemptions += 1
+        log.debug(f"torch engine: preempted a class-{gen.qos} generation at {len(gen.tokens)} tokens")
+        with self._cond:
+            gen.state = QUEUED
+            self._queues[gen.qos].appendleft(gen)
+
+    def _publish(self, gen: Generation) -> None:
+        """Offer `gen`'s newly full blocks to the prefix cache."""
+        if not self.prefix_cache:
+            return
+        while (gen.published + 1) * BLOCK_TOKENS <= gen.n_cached:
+            self.pool.publish(gen.blocks[gen.published], gen.key(gen.published))
+            gen.published += 1
 
     def _pick_prefill(self, waiting: list[Generation]) -> list[tuple[Generation, int]]:
         """Lanes to prefill this step and their chunks, padded work within the budget.
@@ -208,11 +284,11 @@ class Scheduler:
         if not waiting:
             return []
         oldest = min(waiting, key=lambda g: g.admitted)
-        rest = sorted((g for g in waiting if g is not oldest), key=lambda g: len(g.stream) - g.n_cached)
+        rest = sorted((g for g in waiting if g is not oldest), key=lambda g: g.target - g.n_cached)
         picked: list[tuple[Generation, int]] = []
         width = 0
         for gen in [oldest, *rest]:
-            chunk = min(len(gen.stream) - gen.n_cached, self.prefill_chunk)
+            chunk = min(gen.target - gen.n_cached, self.prefill_chunk)
             if picked and (len(picked) + 1) * max(width, chunk) > self.prefill_chunk:
                 break
             picked.append((gen, chunk))
@@ -230,25 +306,27 @@ class Scheduler:
     def _prefill_step(self, work: list[tuple[Generation, int]]) -> None:
         gens = [gen for gen, _ in work]
         counts = [chunk for _, chunk in work]
-        rows = [g.stream[g.n_cached : g.n_cached + c] for g, c in work]
+        rows = [g.tokens[g.n_cached : g.n_cached + c] for g, c in work]
         logits = self._forward(gens, rows, counts)
         self.prefill_tokens += sum(counts)
-        done = []
+        first = []
         for row, (gen, chunk) in enumerate(work):
             gen.n_cached += chunk
-            if not gen.prefilling:
-                done.append(row)
-        if done:
-            finished = [gens[row] for row in done]
-            chosen = choose_tokens(logits[done], [g.sampler for g in finished])
+            self._publish(gen)
+            if not gen.prefilling and not gen.produced:
+                first.append(row)
+        if first:
+            finished = [gens[row] for row in first]
+            chosen = choose_tokens(logits[first], [g.sampler for g in finished])
             for gen, token in zip(finished, chosen):
                 self._emit(gen, token)
 
     def _decode_step(self, gens: list[Generation]) -> None:
-        logits = self._forward(gens, [[g.next_token] for g in gens], [1] * len(gens))
+        logits = self._forward(gens, [[g.tokens[-1]] for g in gens], [1] * len(gens))
         self.decode_tokens += len(gens)
         for gen in gens:
             gen.n_cached += 1
+            self._publish(gen)
         for gen, token in zip(gens, choose_tokens(logits, [g.sampler for g in gens])):
             self._emit(gen, token)
 
@@ -256,19 +334,19 @@ class Scheduler:
         """One batched forward of each lane's new tokens; logits [B,V] at each lane's last one."""
         model, pool, device = self.model, self.pool, self.model.device
         width = max(counts)
-        lanes = torch.tensor([g.lane for g in gens], device=device)
+        n_blocks = blocks_for(max(g.n_cached + c for g, c in zip(gens, counts)))
+        table = [g.blocks[:n_blocks] + [pool.scratch_block] * (n_blocks - len(g.blocks)) for g in gens]
+        blocks = torch.tensor(table, device=device)
         starts = torch.tensor([g.n_cached for g in gens], device=device)
         tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
         positions = starts[:, None] + self._positions[:width]
-        block_index = positions.clamp(max=self.max_context - 1) // BLOCK_TOKENS
-        write = self._block_table[lanes[:, None], block_index] * BLOCK_TOKENS + positions % BLOCK_TOKENS
+        block_index = (positions // BLOCK_TOKENS).clamp(max=n_blocks - 1)
+        write = blocks.gather(1, block_index) * BLOCK_TOKENS + positions % BLOCK_TOKENS
         if width > 1:
             valid = self._positions[:width] < torch.tensor(counts, device=device)[:, None]
             write = write.masked_fill(~valid, pool.scratch_slot)
             positions = positions.masked_fill(~valid, 0)
-        n_blocks = blocks_for(max(g.n_cached + c for g, c in zip(gens, counts)))
-        blocks = self._block_table.index_select(0, lanes)[:, :n_blocks]
-        mask = (self._positions[: n_blocks * BLOCK_TOKENS] <= positions[:, :, None]).unsqueeze(1)
+        mask = model.attention_mask(positions, n_blocks * BLOCK_TOKENS)
         write = write.reshape(-1)
 
         def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -290,8 +368,7 @@ class Scheduler:
         if token in self.eos:
             self._finish(gen, finish.EOS)
             return
-        gen.produced += 1
-        gen.next_token = token
+        gen.tokens.append(token)
         gen.out.put((TOKEN, token))
         if gen.produced >= gen.budget:
             self._finish(gen, finish.LENGTH)

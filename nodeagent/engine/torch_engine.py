@@ -7,6 +7,7 @@ and read only the weights, so they run on the caller's thread too, alongside the
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -31,7 +32,7 @@ from nodeagent.daemon import (
     StageToken,
     check_stream,
 )
-from nodeagent.engine import ModelLoadError
+from nodeagent.engine import DTYPES, ModelLoadError
 from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.loader import load_model
@@ -61,6 +62,7 @@ class TorchDaemon(Daemon):
         max_context: int | None = None,
         kv_blocks: int | None = None,
         prefill_chunk: int = 512,
+        prefix_cache: bool = True,
     ):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -88,7 +90,8 @@ class TorchDaemon(Daemon):
             model.dtype,
             model.device,
         )
-        self._scheduler = Scheduler(model, pool, max_batch, self.context, prefill_chunk)
+        self._scheduler = Scheduler(model, pool, max_batch, self.context, prefill_chunk, prefix_cache)
+        log.info(f"torch engine: {self._memory()}")
 
     @classmethod
     def load(
@@ -99,15 +102,17 @@ class TorchDaemon(Daemon):
         max_batch: int = 8,
         max_context: int | None = None,
         kv_budget_mb: int | None = None,
+        dtype: str = "auto",
     ) -> "TorchDaemon":
         """Open `model` ("builtin" or a checkpoint directory); raises ModelLoadError."""
         dev = _resolve_device(device)
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        dtype = _resolve_dtype(dtype, dev)
         try:
             if model == BUILTIN_NAME:
                 loaded, name = builtin_model(dtype, dev), BUILTIN_NAME
             else:
                 loaded, name = load_model(model, dtype, dev), os.path.basename(os.path.normpath(model))
+            return_freed_heap()
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
             return cls(loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks)
         except ModelLoadError:
@@ -214,8 +219,19 @@ class TorchDaemon(Daemon):
         )
         return (
             f"runtime torch ({self._name}, {self.model.device.type} {dtype}), context window "
-            f"{self.context} tokens, {self.max_batch} lanes, kv pool "
-            f"{self._scheduler.pool.total} blocks"
+            f"{self.context} tokens, {self.max_batch} lanes, {self._memory()}"
+        )
+
+    def _memory(self) -> str:
+        """What the weights and the KV pool take and what the device has left."""
+        pool = self._scheduler.pool
+        c = self.model.config
+        block = bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, self.model.dtype)
+        free = _free_bytes(self.model.device)
+        return (
+            f"weights {_mb(self.model.weight_bytes())}, kv pool {pool.total} blocks of 16 tokens "
+            f"({_mb(pool.total * block)}, taken as used), "
+            + ("free memory unknown" if free is None else f"{_mb(free)} free")
         )
 
     def close(self) -> None:
@@ -273,6 +289,46 @@ def _drain(out: queue.Queue, first: tuple) -> tuple[list[int], tuple | None]:
             message = out.get_nowait()
         except queue.Empty:
             return batch, None
+
+
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.0f} MB"
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory still free on `device`: the GPU's, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def return_freed_heap() -> None:
+    """Hand the memory a load freed (source tensors, fusing temporaries) back to the system.
+
+    glibc keeps freed small and mid-sized chunks in its heap, so after a load the process
+    holds the checkpoint's copy as well as the model's; `malloc_trim` gives it back. Elsewhere
+    (another libc) this does nothing.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`--dtype`: auto is bf16 on CUDA and fp32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
 
 
 def _resolve_device(device: str) -> torch.device:
