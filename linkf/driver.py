@@ -18,6 +18,7 @@ import select
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto import postcard
@@ -93,6 +94,9 @@ class Endpoint:
         self.peer = peer
         self._decoder = FrameDecoder(is_known_type)
         self._pending: deque[Frame] = deque()
+        #: Called with ("sent" or "received", frame) for every frame that passes, payloads in
+        #: the clear: how `superfluid-noded --record` writes transcripts.
+        self.recorder: Callable[[str, Frame], None] | None = None
         self._seq = 1
         self._version: int | None = None
         self._hello_version = PROTO_VERSION
@@ -176,6 +180,8 @@ class Endpoint:
             raise self._io_error("sending", e) from e
         self._seq += 1
         self._last_sent = time.monotonic()
+        if self.recorder is not None:
+            self.recorder("sent", frame)
 
     def pump(self) -> list[Frame]:
         """One read, waiting at most the poll interval, then every complete frame. Sends a
@@ -285,6 +291,8 @@ class Endpoint:
         try:
             while (frame := self._decoder.decode_next()) is not None:
                 frames.append(frame)
+                if self.recorder is not None:
+                    self.recorder("received", frame)
         except EnvelopeError as e:
             raise Envelope(str(e), peer=self.peer) from e
         return frames

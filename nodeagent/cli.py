@@ -34,7 +34,7 @@ USAGE = f"""\
 usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>] \
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
-[--device auto|cpu|cuda|cuda:N] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] \
+[--device auto|cpu|cuda|cuda:N] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json]
        {PROGRAM} join <head-host:port> --model <path|builtin> [--token <value>] [the flags above \
 but --listen]
@@ -48,7 +48,8 @@ no model. Nothing is downloaded.
  `superfluid fleet token`); with it the link is encrypted and both ends checked.
  --max-context defaults to 4096 for the mock and to what the device holds for torch, at least
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
- SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests.
+ SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests;
+ --record <dir> writes each connection there as a transcript (superfluid-conformance show).
  --metrics-listen serves Prometheus text at /metrics and a health check at /health;
  --log-format json writes one JSON object a line.
  `join` dials the head instead of listening, one connection per lane, and dials again when a
@@ -109,6 +110,8 @@ class Options:
     kv_budget_mb: int | None = None
     drain_timeout_ms: int = 30_000
     token_delay_ms: int = 0
+    #: --record: each connection's frames go to a transcript file in this directory.
+    record: str | None = None
     metrics_listen: str | None = None
     log_format: str = "text"
     #: The head's address in join mode (`superfluid-noded join HOST:PORT`); None: listen mode.
@@ -182,13 +185,14 @@ FLAGS = {
     "--kv-budget-mb": ("kv_budget_mb", _count),
     "--drain-timeout-ms": ("drain_timeout_ms", _count),
     "--token-delay-ms": ("token_delay_ms", _count),
+    "--record": ("record", str),
     "--metrics-listen": ("metrics_listen", _address),
     "--log-format": ("log_format", _log_format),
     "--token": ("token", str),
 }
 #: Flags whose value is a free string, named in the "takes a value" message.
 _VALUE_NAMES = {"--model": "<path|builtin>", "--identity": "<name>", "--model-name": "<id>",
-                "--auth-file": "<path>", "--token": "<value>"}
+                "--auth-file": "<path>", "--record": "<dir>", "--token": "<value>"}
 
 
 def parse_args(argv: list[str]) -> Options:

@@ -7,15 +7,19 @@ process or another connection: a head that misbehaves costs only its own link.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
-from linkf.driver import Endpoint
+from linkf.driver import SUPPORTED_VERSIONS, Endpoint
 from linkf.errors import LinkFError
 from linkf.secure import NoiseRole
+from linkf.transcript import NODE, Recorder
 from nodeagent.agent import NodeAgent
 from nodeagent.cli import Options, say, show_addr
 from nodeagent.daemon import Daemon, DaemonError
@@ -39,6 +43,8 @@ class Node:
         self.token = token
         self.handshake_s = opts.handshake_timeout_ms / 1000
         self.drain_s = opts.drain_timeout_ms / 1000
+        self.record = None if opts.record is None else Path(opts.record)
+        self._recorded = itertools.count(1)
         self.agent = (
             NodeAgent(daemon, identity, self.model_name)
             .with_max_lanes(opts.max_batch)
@@ -101,7 +107,8 @@ class Node:
         finally:
             self._handshakes.release()
         try:
-            conn.serve(endpoint)
+            with self._recording(endpoint, peer):
+                conn.serve(endpoint)
         except LinkFError.Unauthorized:
             say(f"refused {peer}: its fleet token differs")
         except LinkFError.Closed:
@@ -109,6 +116,19 @@ class Node:
         except Exception as e:  # noqa: BLE001 - as above: the process outlives every connection
             say(f"the connection from {peer} ended: {describe(e, peer)}")
             log.debug("the connection's traceback", exc_info=True)
+
+    @contextlib.contextmanager
+    def _recording(self, endpoint: Endpoint, peer: str):
+        """With --record, writes the connection's transcript while it is served."""
+        if self.record is None:
+            yield
+            return
+        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{next(self._recorded):05d}-{peer}"
+        header = {"identity": self.identity, "model": self.model_name, "versions": list(SUPPORTED_VERSIONS),
+                  "peer": peer, "encrypted": bool(self.token)}
+        with Recorder.create(self.record, name, NODE, **header) as recorder:
+            endpoint.recorder = recorder
+            yield
 
     def _open(self, sock: socket.socket) -> Endpoint:
         """The link over `sock`: Noise-wrapped and checked against the token when there is one."""
