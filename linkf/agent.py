@@ -4,12 +4,19 @@ and messages out, no sockets and no clock reads.
 ``now`` is milliseconds on a monotonic clock of the caller's choosing (the agent's start).
 Epochs are absolute: a message from an older epoch is refused, a newer one supersedes. A
 command id is applied once; its replay is refused. A session whose lease runs out fences
-itself but keeps its state, so a reconnecting head can still reconcile it.
+itself but keeps its state for ``retention_ms`` (``DEFAULT_RETENTION_MS``, five minutes), so a
+reconnecting head can still reconcile it and its old commands are still refused as replays;
+then it is forgotten, so memory does not grow with every session a node ever held.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+#: How long a fenced session is remembered: well past the Rust fleet's 120 s lease and a head's
+#: reconnect backoff, so a head that comes back reconciles it, and a late replay of one of its
+#: commands is still refused.
+DEFAULT_RETENTION_MS = 300_000
 
 from proto.idempotency import CommandTable, LeaseClock, RetryBuffer
 from proto.linkf import (
@@ -26,6 +33,7 @@ from proto.linkf import (
     SessionReconcileState,
     SessionRevokeMsg,
     TokenEvent,
+    TokenEventPayload,
     TokenEventsMsg,
     WatermarkAckMsg,
 )
@@ -37,7 +45,8 @@ class AgentAction:
 
 @dataclass(frozen=True)
 class SelfFence(AgentAction):
-    """The session's lease ran out: stop serving it (its state stays for a reconcile)."""
+    """The session's lease ran out: stop serving it (its state stays, for the retention time,
+    for a reconcile)."""
 
     session_id: int
 
@@ -51,6 +60,12 @@ class _SessionCtx:
     clock: LeaseClock
     commands: CommandTable = field(default_factory=CommandTable)
     fenced: bool = False
+    #: When (ms) it was fenced; it is forgotten `retention_ms` later.
+    fenced_at: int = 0
+
+    def fence(self, now: int) -> None:
+        if not self.fenced:
+            self.fenced, self.fenced_at = True, now
 
 
 @dataclass
@@ -58,6 +73,20 @@ class _GenerationCtx:
     epoch: int
     next_seq: int = 0
     retry: RetryBuffer = field(default_factory=RetryBuffer)
+    #: Tokens in the events ``retry`` holds.
+    unacked_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Unacked:
+    """Events, and the tokens in them, sent and not yet acknowledged."""
+
+    events: int
+    tokens: int
+
+
+def _token_count(event: TokenEvent) -> int:
+    return len(event.payload.tokens) if isinstance(event.payload, TokenEventPayload.Tokens) else 0
 
 
 def _clock(now: int, lease: Lease) -> LeaseClock:
@@ -67,7 +96,8 @@ def _clock(now: int, lease: Lease) -> LeaseClock:
 class AgentSession:
     """Every session and generation this node holds, across connections."""
 
-    def __init__(self) -> None:
+    def __init__(self, retention_ms: int = DEFAULT_RETENTION_MS) -> None:
+        self.retention_ms = retention_ms
         self._sessions: dict[int, _SessionCtx] = {}
         self._generations: dict[tuple[int, int], _GenerationCtx] = {}
 
@@ -132,13 +162,14 @@ class AgentSession:
         )
         g.next_seq += 1
         g.retry.push(event.event_seq, event)
+        g.unacked_tokens += _token_count(event)
         return TokenEventsMsg(events=[event])
 
     def on_watermark_ack(self, msg: WatermarkAckMsg) -> None:
         """Drops the events the head has committed."""
         g = self._generations.get((msg.session_id, msg.generation_id))
         if g is not None and g.epoch == msg.epoch:
-            g.retry.ack(msg.watermark)
+            g.unacked_tokens -= sum(map(_token_count, g.retry.ack(msg.watermark)))
 
     def needs_renew(self, now: int) -> list[LeaseRenewMsg]:
         """A renewal for every live session past its renew-by point and not yet expired."""
@@ -148,6 +179,17 @@ class AgentSession:
             if not s.fenced and s.clock.must_renew(now) and not s.clock.expired(now)
         ]
 
+    def next_deadline(self, now: int) -> int | None:
+        """The earliest time (ms) at which ``needs_renew`` or ``poll`` may have something new
+        to say: a live session's renew-by point not yet reached, or its expiry. None when no
+        session is live. A caller may sleep until then."""
+        points = [
+            s.clock.renew_at() if s.clock.renew_at() > now else s.clock.expires_at()
+            for s in self._sessions.values()
+            if not s.fenced
+        ]
+        return min(points, default=None)
+
     def on_lease_grant(self, msg: LeaseGrantMsg, now: int) -> None:
         """Restarts the lease of a live session; a grant for another epoch is ignored."""
         s = self._sessions.get(msg.session_id)
@@ -155,12 +197,18 @@ class AgentSession:
             s.clock = LeaseClock(now, msg.duration_ms, msg.renew_by_ms)
 
     def poll(self, now: int) -> list[AgentAction]:
-        """Fences every session whose lease has expired, once."""
+        """Fences every session whose lease has expired, once, and forgets every session fenced
+        for the retention time, with its generations."""
         actions: list[AgentAction] = []
         for sid, s in sorted(self._sessions.items()):
             if not s.fenced and s.clock.expired(now):
-                s.fenced = True
+                s.fence(now)
                 actions.append(SelfFence(session_id=sid))
+        gone = {sid for sid, s in self._sessions.items() if s.fenced and now - s.fenced_at >= self.retention_ms}
+        if gone:
+            # New dicts rather than deletions: a dict never shrinks its table by itself.
+            self._sessions = {sid: s for sid, s in self._sessions.items() if sid not in gone}
+            self._generations = {k: g for k, g in self._generations.items() if k[0] not in gone}
         return actions
 
     def on_reconcile(self, msg: ReconcileMsg, now: int) -> tuple[ReconcileAckMsg, list[TokenEventsMsg]]:
@@ -181,7 +229,7 @@ class AgentSession:
                 )
                 continue
             if head_state.epoch > s.epoch:
-                s.fenced = True
+                s.fence(now)
             s.commands.trim(max(head_state.command_watermark - 1, 0))
             held = head_state.epoch == s.epoch and not s.fenced
             ranges = self._retransmit(head_state, retransmissions) if held else []
@@ -203,6 +251,11 @@ class AgentSession:
     def unacked_events(self, session_id: int, generation_id: int) -> int:
         g = self._generations.get((session_id, generation_id))
         return 0 if g is None else len(g.retry)
+
+    def unacked(self, session_id: int, generation_id: int) -> Unacked:
+        """What the head has not acknowledged of a generation: a sender's flow-control window."""
+        g = self._generations.get((session_id, generation_id))
+        return Unacked(0, 0) if g is None else Unacked(len(g.retry), g.unacked_tokens)
 
     def _live(self, session_id: int, epoch: int) -> _SessionCtx | None:
         """The session, when it is held at exactly ``epoch`` and not fenced."""

@@ -6,6 +6,12 @@ alive: a KEEPALIVE whenever nothing was sent for the heartbeat, ``TimedOut`` onc
 been silent for the silence limit. A version-2 link does neither, as the Rust node it
 replaces: a v2 head does not expect them. Durations here are float seconds.
 
+Reads wait in poll(2) for as long as the caller says, together with an optional ``Waker`` that
+other threads make readable, so a loop can sleep until the peer speaks, a worker has output, or
+its next deadline, whichever comes first. Writes go out on a non-blocking socket: a peer that
+takes no bytes for the write timeout is ``TimedOut``, and the endpoint is unusable from then on
+(a frame may have left in part).
+
 One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it.
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hmac
+import math
 import select
 import socket
 import time
@@ -22,16 +29,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto import postcard
-from proto.envelope import EnvelopeError, Frame, FrameClass, FrameDecoder, encode_frame
-from proto.handshake import Hello, HelloAckF, LinkRole, negotiate
+from proto.envelope import MAX_FRAME, EnvelopeError, Frame, FrameClass, FrameDecoder, encode_frame, foreign_protocol
+from proto.handshake import MAX_HELLO_FRAME, Hello, HelloAckF, LinkRole, negotiate
 from proto.linkf import is_known_type, msg_type
 
+from .budget import PROCESS_BUDGET, BufferBudget
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
-from .secure import NoiseRole, SecureStream, key_from
+from .secure import LINKF_ONLY, NoiseRole, SecureStream, key_from
+from .waker import Waker
 
 PROTO_VERSION = 3
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_POLL = 0.020
+#: A wait with no deadline: poll(2) still returns for the peer, a waker or a shutdown.
+_FOREVER = 3600.0
 _READ = 64 * 1024
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errno.EBADF)
 
@@ -49,17 +60,17 @@ Liveness.DEFAULT = Liveness(heartbeat=5.0, silence=0.0)
 
 
 class _Plain:
-    """A connected socket as the endpoint reads and writes it, unencrypted."""
+    """A connected socket whose bytes go on the wire as they are (``SecureStream`` is the
+    encrypted twin)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
 
-    def sendall(self, data: bytes) -> None:
-        self.sock.sendall(data)
+    def seal(self, data: bytes) -> bytes:
+        return data
 
-    def recv(self) -> bytes | None:
-        """What one read brought, or None when the peer closed."""
-        return self.sock.recv(_READ) or None
+    def open(self, data: bytes) -> bytes:
+        return data
 
 
 def _nodelay(sock: socket.socket) -> None:
@@ -93,6 +104,7 @@ class Endpoint:
         self._io = stream
         self.peer = peer
         self._decoder = FrameDecoder(is_known_type)
+        self._holding = PROCESS_BUDGET.holding()
         self._pending: deque[Frame] = deque()
         #: Called with ("sent" or "received", frame) for every frame that passes, payloads in
         #: the clear: how `superfluid-noded --record` writes transcripts.
@@ -103,9 +115,14 @@ class Endpoint:
         self._poll = DEFAULT_POLL
         self._liveness = Liveness.DEFAULT
         self._last_sent = self._last_heard = time.monotonic()
-        # Reads wait in poll(2), so the socket itself blocks: a long write never times out
-        # halfway through a frame.
-        stream.sock.settimeout(None)
+        self._write_timeout: float | None = None
+        #: Set once a write failed: a frame may have left in part, so nothing more can follow.
+        self._broken: LinkFError | None = None
+        self._sock = stream.sock
+        self._sock.setblocking(False)
+        self._readable = select.poll()
+        self._readable.register(self._sock, select.POLLIN)
+        self._waker: Waker | None = None
 
     # Construction
 
@@ -157,6 +174,28 @@ class Endpoint:
     def keep_alive(self, liveness: Liveness) -> None:
         self._liveness = liveness
 
+    @property
+    def broken(self) -> LinkFError | None:
+        """Why a write failed, after which nothing more can be sent; None while none has."""
+        return self._broken
+
+    def write_timeout(self, seconds: float | None) -> None:
+        """How long a write may wait for the peer to take a byte (None: forever)."""
+        self._write_timeout = seconds
+
+    def wake_on(self, waker: Waker | None) -> None:
+        """``pump`` also returns, maybe with no frame, once ``waker`` is set; None stops that."""
+        if self._waker is not None:
+            self._readable.unregister(self._waker)
+        self._waker = waker
+        if waker is not None:
+            self._readable.register(waker, select.POLLIN)
+
+    def buffer_budget(self, budget: BufferBudget) -> None:
+        """Counts this endpoint's incomplete frames against `budget` instead of the process's."""
+        self._holding.release()
+        self._holding = budget.holding()
+
     def quiet_for(self) -> float:
         """Seconds since anything was received."""
         return time.monotonic() - self._last_heard
@@ -174,25 +213,25 @@ class Endpoint:
             data = encode_frame(frame)
         except EnvelopeError as e:
             raise Envelope(str(e), peer=self.peer) from e
-        try:
-            self._io.sendall(data)
-        except OSError as e:
-            raise self._io_error("sending", e) from e
+        self._write(self._io.seal(data))
         self._seq += 1
         self._last_sent = time.monotonic()
         if self.recorder is not None:
             self.recorder("sent", frame)
 
-    def pump(self) -> list[Frame]:
-        """One read, waiting at most the poll interval, then every complete frame. Sends a
-        heartbeat when one is due and, on a version-3 link, fails with ``TimedOut`` once the
-        peer has been silent too long."""
+    def pump(self, timeout: float | None = None) -> list[Frame]:
+        """One read, waiting at most ``timeout`` seconds (None: the poll interval) and less when
+        a heartbeat or the silence limit comes first, then every complete frame. Returns early,
+        maybe with no frame, when the waker is set. Sends a heartbeat when one is due and, on a
+        version-3 link, fails with ``TimedOut`` once the peer has been silent too long."""
         if self._pending:
             frames = list(self._pending)
             self._pending.clear()
             return frames
+        if self._broken is not None:
+            raise self._broken
         self._beat()
-        self._read(self._poll)
+        self._read(min(self._poll if timeout is None else timeout, self._until_liveness()))
         frames = self._decode()
         silence = self._liveness.silence
         if not frames and self._v3() and silence > 0 and self.quiet_for() >= silence:
@@ -202,7 +241,7 @@ class Endpoint:
     def wait_frames(self) -> list[Frame]:
         """Blocks until at least one frame arrives."""
         while True:
-            frames = self.pump()
+            frames = self.pump(_FOREVER)
             if frames:
                 return frames
 
@@ -229,8 +268,17 @@ class Endpoint:
     def answer_hello_as_agent(self, ack: HelloAckF, expected_auth: bytes, timeout: float | None = None) -> None:
         """Waits for the head's HELLO, checks it (a common version, the head's role, the
         fleet token when ``expected_auth`` is non-empty) and answers ``ack`` carrying the
-        negotiated version. ``timeout`` None waits forever."""
-        frame = self._first(msg_type.HELLO, "expected Hello", _deadline(timeout))
+        negotiated version. ``timeout`` None waits forever. Until HELLO has come, a frame longer
+        than ``MAX_HELLO_FRAME`` is an ``Envelope`` error."""
+        self._decoder.max_frame = MAX_HELLO_FRAME
+        try:
+            frame = self._first(msg_type.HELLO, "expected Hello", _deadline(timeout))
+        except Envelope:
+            foreign = foreign_protocol(self._decoder.peek(8))
+            if foreign is None:
+                raise
+            raise Protocol(f"the peer speaks {foreign}; {LINKF_ONLY}", peer=self.peer) from None
+        self._decoder.max_frame = MAX_FRAME
         hello = self._decode_payload(Hello, frame)
         version = negotiate(tuple(hello.proto_versions), SUPPORTED_VERSIONS)
         if version is None:
@@ -248,12 +296,13 @@ class Endpoint:
         """Ends the connection both ways; a ``pump`` blocked on another thread then raises
         ``Closed``. Safe to call more than once."""
         try:
-            self._io.sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
     def close(self) -> None:
-        self._io.sock.close()
+        self._holding.release()
+        self._sock.close()
 
     def __enter__(self) -> Endpoint:
         return self
@@ -271,20 +320,58 @@ class Endpoint:
         if self._v3() and heartbeat > 0 and time.monotonic() - self._last_sent >= heartbeat:
             self.send(msg_type.KEEPALIVE)
 
+    def _until_liveness(self) -> float:
+        """Seconds until the next heartbeat is due or the peer's silence runs out (v3 only)."""
+        if not self._v3():
+            return _FOREVER
+        now = time.monotonic()
+        heartbeat, silence = self._liveness.heartbeat, self._liveness.silence
+        due = [self._last_sent + heartbeat - now] if heartbeat > 0 else []
+        if silence > 0:
+            due.append(self._last_heard + silence - now)
+        return max(min(due, default=_FOREVER), 0.0)
+
     def _read(self, timeout: float) -> None:
-        """Feeds the decoder what one read brings within ``timeout``."""
+        """Feeds the decoder what one read brings within ``timeout``; returns early when the
+        waker is set."""
         try:
-            poller = select.poll()
-            poller.register(self._io.sock, select.POLLIN)
-            if not poller.poll(max(int(timeout * 1000), 1)):
+            ready = self._readable.poll(math.ceil(max(timeout, 0.0) * 1000))
+            if not any(fd == self._sock.fileno() for fd, _ in ready):
                 return
-            data = self._io.recv()
+            data = self._sock.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return
         except (OSError, ValueError) as e:
             raise self._io_error("receiving", e) from e
-        if data is None:
+        if not data:
             raise Closed(peer=self.peer)
         self._last_heard = time.monotonic()
-        self._decoder.feed(data)
+        self._decoder.feed(self._io.open(data))
+
+    def _write(self, data: bytes) -> None:
+        """Writes all of ``data``, waiting up to the write timeout each time the peer takes
+        nothing; a failure leaves the endpoint broken."""
+        if self._broken is not None:
+            raise self._broken
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self._sock.send(view) :]
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            except (OSError, ValueError) as e:
+                self._broken = self._io_error("sending", e)
+                raise self._broken from e
+            if not self._wait_writable():
+                self._broken = TimedOut(f"the peer took no bytes for {self._write_timeout:g} s", peer=self.peer)
+                raise self._broken
+
+    def _wait_writable(self) -> bool:
+        writable = select.poll()
+        writable.register(self._sock, select.POLLOUT)
+        timeout = -1 if self._write_timeout is None else math.ceil(self._write_timeout * 1000)
+        return bool(writable.poll(timeout))
 
     def _decode(self) -> list[Frame]:
         frames = []
@@ -295,13 +382,20 @@ class Endpoint:
                     self.recorder("received", frame)
         except EnvelopeError as e:
             raise Envelope(str(e), peer=self.peer) from e
+        if not self._holding.hold(self._decoder.buffered()):
+            raise Envelope(
+                f"{self._decoder.buffered()} bytes of an incomplete frame would pass the node's "
+                "budget for buffered frames",
+                peer=self.peer,
+            )
         return frames
 
     def _first(self, wanted: int, reason: str, deadline: float | None) -> Frame:
         """The first frame that is not droppable, which must be of type ``wanted``; the frames
         after it wait for the next ``pump``."""
         while True:
-            frames = deque(self.pump())
+            left = _FOREVER if deadline is None else max(deadline - time.monotonic(), 0.0)
+            frames = deque(self.pump(left))
             while frames:
                 frame = frames.popleft()
                 if frame.class_ == FrameClass.DROPPABLE:

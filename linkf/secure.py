@@ -17,13 +17,17 @@ from cryptography.exceptions import InvalidTag
 from noise.connection import NoiseConnection
 from noise.exceptions import NoiseInvalidMessage, NoiseValueError
 
-from .errors import Closed, Io, TimedOut, Unauthorized
+from proto.envelope import foreign_protocol
+
+from .errors import Closed, Io, Protocol, TimedOut, Unauthorized
 
 PATTERN = b"Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s"
 MAX_MESSAGE = 65535
 TAG = 16
 MAX_PLAINTEXT = MAX_MESSAGE - TAG
 _LEN = struct.Struct(">H")
+#: What a node says of a peer that speaks another protocol to its Link F port.
+LINKF_ONLY = "this port speaks Link F (a node's Prometheus metrics are on its --metrics-listen port)"
 # What a wrong pre-shared key (or a message too short to be Noise) surfaces as, from
 # noiseprotocol or from cryptography below it.
 _REFUSED = (InvalidTag, NoiseInvalidMessage, NoiseValueError)
@@ -40,7 +44,8 @@ def key_from(secret: bytes) -> bytes:
 
 
 class SecureStream:
-    """A connected socket after the Noise handshake: ``sendall`` encrypts, ``recv`` decrypts."""
+    """A connected socket after the Noise handshake: ``seal`` encrypts what goes out, ``open``
+    decrypts what came in. The caller does the socket I/O, so it chooses how to wait."""
 
     def __init__(self, sock: socket.socket, noise: NoiseConnection, peer: str | None) -> None:
         self.sock = sock
@@ -69,7 +74,7 @@ class SecureStream:
                 _write_message(sock, noise.write_message(), peer)
                 _read_handshake(noise, _read_message(sock, deadline, peer), peer)
             else:
-                _read_handshake(noise, _read_message(sock, deadline, peer), peer)
+                _read_handshake(noise, _read_message(sock, deadline, peer, first=True), peer)
                 _write_message(sock, noise.write_message(), peer)
         except BaseException:
             sock.close()
@@ -77,21 +82,19 @@ class SecureStream:
         sock.settimeout(previous)
         return cls(sock, noise, peer)
 
-    def sendall(self, data: bytes) -> None:
-        """Encrypts ``data`` in pieces of at most ``MAX_PLAINTEXT`` bytes and sends them all."""
+    def seal(self, data: bytes) -> bytes:
+        """``data`` as it goes on the wire: Noise messages of at most ``MAX_PLAINTEXT`` bytes of
+        plaintext each, every one behind its length."""
         wire = bytearray()
         for at in range(0, len(data), MAX_PLAINTEXT):
             message = self._noise.encrypt(bytes(data[at : at + MAX_PLAINTEXT]))
             wire += _LEN.pack(len(message))
             wire += message
-        self.sock.sendall(wire)
+        return bytes(wire)
 
-    def recv(self) -> bytes | None:
-        """One read of the socket: the plaintext of every Noise message it completed (maybe
-        none), or None when the peer closed."""
-        data = self.sock.recv(2 + MAX_MESSAGE)
-        if not data:
-            return None
+    def open(self, data: bytes) -> bytes:
+        """The plaintext of every Noise message that ``data`` completes (maybe none); the rest
+        of a message cut across reads waits for the next call."""
         self._cipher += data
         return self._decrypt_complete()
 
@@ -125,8 +128,14 @@ def _write_message(sock: socket.socket, message: bytes, peer: str | None) -> Non
         raise Io(f"writing the Noise handshake: {e}", peer=peer) from e
 
 
-def _read_message(sock: socket.socket, deadline: float | None, peer: str | None) -> bytes:
-    (n,) = _LEN.unpack(_read_exact(sock, 2, deadline, peer))
+def _read_message(sock: socket.socket, deadline: float | None, peer: str | None, first: bool = False) -> bytes:
+    """One length-prefixed Noise message; `first`: the peer's first bytes, which are checked
+    for another protocol (a browser, `curl`, a TLS client) before a length is believed."""
+    prefix = _read_exact(sock, 2, deadline, peer)
+    foreign = foreign_protocol(prefix) if first else None
+    if foreign is not None:
+        raise Protocol(f"the peer speaks {foreign}; {LINKF_ONLY}", peer=peer)
+    (n,) = _LEN.unpack(prefix)
     return _read_exact(sock, n, deadline, peer)
 
 

@@ -3,8 +3,13 @@
 One `NodeAgent.serve` runs per accepted connection, on a thread of its own. Every connection of
 a node shares one `AgentShared`, so a session placed over one connection survives it and can
 be reconciled over the next. Generations and stage forwards run on worker threads of their own
-and hand what they produce to the connection's loop through a `queue.Queue`, so the loop keeps
+and hand what they produce to the connection's loop through a bounded queue, so the loop keeps
 reading the head (cancels, lease grants, heartbeats) and sending status while they run.
+
+The loop sleeps in one poll(2) until the head sends a frame, a worker hands something over
+(its `Waker`), or the next deadline (status, lease renewal or expiry, idle drop) is due; the
+seed woke every 2 ms while work ran and every 20 ms otherwise. Each pass does a bounded amount
+of work, so a frame from the head is read within one pass whatever the engine produces.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from linkf.agent import AgentAction, AgentSession
 from linkf.driver import PROTO_VERSION, Endpoint, Liveness
 from linkf.errors import LinkFError
+from linkf.waker import Waker
 from nodeagent import finish
 from nodeagent.daemon import (
     ConstraintError,
@@ -32,6 +39,8 @@ from nodeagent.daemon import (
     StreamTooLong,
 )
 from nodeagent.fleet import decode_params, decode_tokens
+from nodeagent.observe import GenerationWatch, NodeObserver
+from nodeagent.outbox import Outbox
 from nodeagent.wal import GenParams
 from proto.envelope import MAX_FRAME, Frame
 from proto.handshake import CapacitySummary, HelloAckF
@@ -65,18 +74,34 @@ DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 #: Seconds the head may stay silent before the node drops the connection: six heartbeats.
 DEFAULT_IDLE_TIMEOUT = 30.0
 
+#: Seconds a head may take no bytes, or acknowledge no event, while the node has a
+#: generation's output waiting for it; then the connection is dropped and its generation
+#: stopped, which frees its lane and KV. The seed wrote on a blocking socket with no limit.
+DEFAULT_WRITE_TIMEOUT = 10.0
+
 STATUS_INTERVAL_MS = 2_000
 #: Seconds after which a renewal the head left unanswered is asked for again.
 RENEW_RETRY = 1.0
-#: Read timeout of one pump while work runs: it bounds how late a generation's tokens leave.
-POLL_RUNNING = 0.002
-POLL_IDLE = 0.020
-EMIT_COALESCE_TOKENS = 16
-EMIT_COALESCE_MS = 200
+#: The most tokens one TOKEN_EVENTS carries, which bounds one pass's work. The seed waited for
+#: 16 tokens or 200 ms; this loop sends what a step produced as soon as it can, and only what
+#: piled up while it was busy goes out together.
+EVENT_TOKENS_MAX = 1024
+#: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
+TRANSFER_WINDOW = 8
+#: Tokens of one generation the head may leave unacknowledged before the loop stops taking its
+#: output: a window of `TRANSFER_WINDOW` full events, 8,192 tokens.
+UNACKED_TOKENS_MAX = TRANSFER_WINDOW * EVENT_TOKENS_MAX
+#: Events likewise: a slow engine sends one token an event, and a head that acknowledges in
+#: batches (or, on version 2, not while it waits) must not stall it.
+UNACKED_EVENTS_MAX = 1024
 #: Busy time a rate sample needs before it counts.
 MIN_BUSY_MS = 200
 
 _connections = itertools.count(1)
+#: Frames that may move a lease deadline, after which the loop works out the next one anew.
+_LEASE_TYPES = frozenset(
+    (msg_type.SESSION_ASSIGN, msg_type.SESSION_REVOKE, msg_type.LEASE_GRANT, msg_type.RECONCILE)
+)
 
 
 class Busy:
@@ -120,6 +145,8 @@ class AgentShared:
     busy: Busy = field(default_factory=Busy)
     #: Generations some connection is running, until their Finish is sent or they are dropped.
     runs: int = 0
+    #: Set when a drain runs out of time: every running generation ends with a Finish(ERROR).
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     def running_generations(self) -> int:
         """How many generations are running on any connection (a drain waits for zero)."""
@@ -132,17 +159,16 @@ class AgentShared:
         self.owners.pop(session_id, None)
 
 
-class Out:
-    """What a generation's worker hands its connection's loop. The worker putting None instead
-    of a `Done` means it ended without a result (the seed's hung-up channel)."""
+@dataclass(frozen=True)
+class GenerationJob:
+    """What a generation's worker needs to run it."""
 
-    @dataclass(frozen=True)
-    class Tokens:
-        tokens: list[int]
-
-    @dataclass(frozen=True)
-    class Done:
-        generated: GenerationResult | DaemonError
+    context: Sequence[int]
+    params: GenParams
+    max_new: int
+    max_wall_ms: int
+    cancel: threading.Event
+    out: Outbox
 
 
 @dataclass
@@ -154,11 +180,15 @@ class Running:
     generation_id: int
     max_new: int
     cancel: threading.Event
-    out: queue.Queue
-    last_flush: int
+    out: Outbox
     #: The head asked for the stop.
     cancelled: bool = False
-    pending: list[int] = field(default_factory=list)
+    #: The node stopped it: its drain ran out of time.
+    drained: bool = False
+    #: Since when (ms) its output has waited on the head's acknowledgements.
+    stalled_since: int | None = None
+    #: How the node's observers follow it (metrics, the log).
+    watch: GenerationWatch = field(default_factory=GenerationWatch)
 
     def stop(self) -> None:
         self.cancel.set()
@@ -166,14 +196,28 @@ class Running:
 
 @dataclass
 class Work:
-    """What a connection has running off its own thread."""
+    """What a connection has running off its own thread, and the waker its workers set."""
 
     generation: Running | None = None
     #: Where a stage forward's answer arrives.
     stage: queue.Queue | None = None
+    waker: Waker | None = None
 
     def busy(self) -> bool:
         return self.generation is not None or self.stage is not None
+
+    def waker_for(self, endpoint: Endpoint) -> Waker:
+        """The connection's waker, made and watched by `endpoint` when first needed: an idle
+        connection holds no descriptor beyond its socket."""
+        if self.waker is None:
+            self.waker = Waker()
+            endpoint.wake_on(self.waker)
+        return self.waker
+
+    def close(self, endpoint: Endpoint) -> None:
+        if self.waker is not None:
+            endpoint.wake_on(None)
+            self.waker.close()
 
 
 class NodeAgent:
@@ -187,12 +231,16 @@ class NodeAgent:
         self.start = time.monotonic()
         self.handshake_timeout = DEFAULT_HANDSHAKE_TIMEOUT
         self.idle_timeout = DEFAULT_IDLE_TIMEOUT
+        self.write_timeout = DEFAULT_WRITE_TIMEOUT
         self.auth = b""
         self.max_lanes = 0
+        self.observer = NodeObserver()
         self.last_status_ms = 0
         self.conn = next(_connections)
         #: When (ms) this connection last asked for each lease not granted yet.
         self.asked: dict[int, int] = {}
+        #: When (ms) the leases need looking at next; 0 after a frame that changed one.
+        self.lease_due_ms = 0
 
     def with_max_lanes(self, lanes: int) -> NodeAgent:
         self.max_lanes = lanes
@@ -205,8 +253,19 @@ class NodeAgent:
         self.idle_timeout = idle_s
         return self
 
+    def with_write_timeout(self, seconds: float) -> NodeAgent:
+        """How long a head may take no bytes, or acknowledge nothing, while output waits for
+        it; 0 waits forever."""
+        self.write_timeout = seconds
+        return self
+
     def with_auth(self, auth: bytes) -> NodeAgent:
         self.auth = bytes(auth)
+        return self
+
+    def with_observer(self, observer: NodeObserver) -> NodeAgent:
+        """Who hears of sessions, generations and stage forwards (`nodeagent.observe`)."""
+        self.observer = observer
         return self
 
     def connection(self) -> NodeAgent:
@@ -215,12 +274,19 @@ class NodeAgent:
         twin.start = self.start
         twin.handshake_timeout = self.handshake_timeout
         twin.idle_timeout = self.idle_timeout
+        twin.write_timeout = self.write_timeout
         twin.auth = self.auth
         twin.max_lanes = self.max_lanes
+        twin.observer = self.observer
         return twin
 
     def running_generations(self) -> int:
         return self.shared.running_generations()
+
+    def stop_generations(self) -> None:
+        """Ends every running generation at its next step with a Finish(ERROR) after the tokens
+        it made: what a drain that ran out of time tells the heads."""
+        self.shared.stopping.set()
 
     def now_ms(self) -> int:
         return int((time.monotonic() - self.start) * 1000)
@@ -310,7 +376,7 @@ class NodeAgent:
             feature_flags=0,
             limits=LinkFLimits(
                 max_frame=MAX_FRAME,
-                transfer_window=8,
+                transfer_window=TRANSFER_WINDOW,
                 max_transfer=1 << 26,
                 transfer_budget=1 << 28,
             ),
@@ -318,17 +384,21 @@ class NodeAgent:
 
     # ---- the connection -------------------------------------------------------------------
 
-    def serve(self, endpoint: Endpoint) -> None:
+    def serve(self, endpoint: Endpoint, on_hello: Callable[[], None] | None = None) -> None:
         """Serves one head until it leaves; raises the error (LinkFError or DaemonError) that
         ended the connection otherwise. On the way out it stops the connection's generation and
-        closes the endpoint, as dropping them did in the seed."""
+        closes the endpoint, as dropping them did in the seed. `on_hello` runs once the head's
+        HELLO is answered: the node's admission counts the connection as a handshake until then."""
         work = Work()
+        endpoint.write_timeout(self.write_timeout or None)
         try:
             try:
                 endpoint.answer_hello_as_agent(self.ackf(), self.auth, self.handshake_timeout or None)
             except LinkFError.TimedOut:
                 log.warning("node-agent dropped a silent connection (no Hello)")
                 return
+            if on_hello is not None:
+                on_hello()
             if self.idle_timeout:
                 heartbeat = min(Liveness.DEFAULT.heartbeat, self.idle_timeout / 3)
             else:
@@ -337,48 +407,81 @@ class NodeAgent:
             self.serve_link(endpoint, work)
         finally:
             self.drop_generation(work)
+            work.close(endpoint)
             endpoint.close()
 
     def serve_link(self, endpoint: Endpoint, work: Work) -> None:
-        while True:
-            now = self.now_ms()
-            self.renew(endpoint, now)
-            self.fence(now)
-            if now >= self.last_status_ms + STATUS_INTERVAL_MS:
-                self.send_status(endpoint)
-            was_busy = work.busy()
-            if work.generation is not None and self.forward(endpoint, work.generation, now):
-                self.drop_generation(work)
-            if work.stage is not None:
-                self.hand_back_stage(endpoint, work)
-            if was_busy and not work.busy():
-                endpoint.poll_every(POLL_IDLE)
-            try:
-                frames = endpoint.pump()
-            except LinkFError.Closed:
-                return
-            except LinkFError.TimedOut:
+        try:
+            while self.serve_pass(endpoint, work):
+                pass
+        except LinkFError.Closed:
+            return
+        except LinkFError.TimedOut:
+            if endpoint.broken is not None or _stalled(work):
+                log.warning(
+                    "node-agent dropped a connection the head stopped reading",
+                    extra=_fields(write_timeout_s=self.write_timeout),
+                )
+            else:
                 log.warning(
                     "node-agent dropped a connection the head went silent on",
                     extra=_fields(quiet_ms=int(endpoint.quiet_for() * 1000)),
                 )
-                return
-            for frame in frames:
-                self.handle(endpoint, frame, work)
-            # A version-2 head sends nothing while it waits on a generation, so only a
-            # connection with nothing running can be idle.
-            if (
-                endpoint.version() < 3
-                and not work.busy()
-                and self.idle_timeout
-                and endpoint.quiet_for() >= self.idle_timeout
-            ):
-                log.info("node-agent dropped an idle connection")
-                return
 
-    def renew(self, endpoint: Endpoint, now: int) -> None:
+    def serve_pass(self, endpoint: Endpoint, work: Work) -> bool:
+        """One pass of the seed's cycle; False once the connection should end."""
+        now = self.now_ms()
+        self.tend_leases(endpoint, now)
+        if now >= self.last_status_ms + STATUS_INTERVAL_MS:
+            self.send_status(endpoint)
+        if work.waker is not None:
+            work.waker.clear()
+        if work.generation is not None and self.forward(endpoint, work.generation):
+            self.drop_generation(work)
+        if work.stage is not None:
+            self.hand_back_stage(endpoint, work)
+        for frame in endpoint.pump(self.sleep_s(endpoint, work, now)):
+            self.handle(endpoint, frame, work)
+        run = work.generation
+        if run is not None and run.stalled_since is not None and self.write_timeout:
+            if self.now_ms() - run.stalled_since >= self.write_timeout * 1000:
+                raise LinkFError.TimedOut("the head acknowledged nothing", peer=endpoint.peer)
+        # A version-2 head sends nothing while it waits on a generation, so only a
+        # connection with nothing running can be idle.
+        if endpoint.version() < 3 and not work.busy() and self.idle_timeout:
+            if endpoint.quiet_for() >= self.idle_timeout:
+                log.info("node-agent dropped an idle connection")
+                return False
+        return True
+
+    def sleep_s(self, endpoint: Endpoint, work: Work, now: int) -> float:
+        """How long the pass may sleep in `pump`: not at all while output waits to go, else
+        until the next deadline (a worker's hand-over and the head's frames wake it sooner)."""
+        run = work.generation
+        if run is not None and run.stalled_since is None and run.out.ready():
+            return 0.0
+        due = [self.last_status_ms + STATUS_INTERVAL_MS, self.lease_due_ms]
+        if run is not None and run.stalled_since is not None and self.write_timeout:
+            due.append(run.stalled_since + int(self.write_timeout * 1000))
+        if endpoint.version() < 3 and not work.busy() and self.idle_timeout:
+            due.append(now + int((self.idle_timeout - endpoint.quiet_for()) * 1000))
+        return max(min(due) - self.now_ms(), 0) / 1000
+
+    def tend_leases(self, endpoint: Endpoint, now: int) -> None:
+        """Renews and fences once a lease deadline has come, and works out the next one."""
+        if now < self.lease_due_ms:
+            return
+        awaiting_grant = self.renew(endpoint, now)
+        self.fence(now)
+        with self.shared.lock:
+            due = self.shared.agent.next_deadline(now)
+        retry = now + int(RENEW_RETRY * 1000) if awaiting_grant else None
+        self.lease_due_ms = min((t for t in (due, retry) if t is not None), default=now + STATUS_INTERVAL_MS)
+
+    def renew(self, endpoint: Endpoint, now: int) -> bool:
         """Asks the head to renew the leases of the sessions placed over this connection, the
-        only one where it answers them; asks again each `RENEW_RETRY` until a grant comes."""
+        only one where it answers them; asks again each `RENEW_RETRY` until a grant comes.
+        True while a renewal awaits its grant."""
         sh = self.shared
         with sh.lock:
             due = [r for r in sh.agent.needs_renew(now) if sh.owners.get(r.session_id) == self.conn]
@@ -388,6 +491,7 @@ class NodeAgent:
                 continue
             endpoint.send(msg_type.LEASE_RENEW, renewal)
             self.asked[renewal.session_id] = now
+        return bool(due)
 
     def fence(self, now: int) -> None:
         """Fences every session whose lease ran out, dropping its context, params and owner."""
@@ -397,12 +501,15 @@ class NodeAgent:
                 if isinstance(action, AgentAction.SelfFence):
                     log.warning("node-agent self-fenced on lease expiry", extra=_fields(session_id=action.session_id))
                     sh.forget(action.session_id)
+                    self.observer.session_fenced(action.session_id)
 
     def handle(self, endpoint: Endpoint, frame: Frame, work: Work) -> None:
         """Acts on one frame from the head; every type without a handler below is ignored."""
         handler = self._handlers.get(frame.msg_type)
         if handler is not None:
             handler(self, endpoint, _decode(frame), work)
+        if frame.msg_type in _LEASE_TYPES:
+            self.lease_due_ms = 0
 
     def on_reconcile(self, endpoint: Endpoint, m, work: Work) -> None:
         sh = self.shared
@@ -422,6 +529,7 @@ class NodeAgent:
                 sh.params[m.session_id] = decode_params(m.params)
                 sh.owners[m.session_id] = self.conn
                 self.asked.pop(m.session_id, None)
+                self.observer.session_assigned(m.session_id, m.epoch)
 
     def on_revoke(self, endpoint: Endpoint, m, work: Work) -> None:
         sh = self.shared
@@ -429,6 +537,7 @@ class NodeAgent:
             if sh.agent.on_revoke(m):
                 sh.forget(m.session_id)
                 self.asked.pop(m.session_id, None)
+                self.observer.session_revoked(m.session_id)
 
     def on_append(self, endpoint: Endpoint, m, work: Work) -> None:
         sh = self.shared
@@ -448,8 +557,7 @@ class NodeAgent:
         else:
             accepted = False
         if accepted:
-            work.generation = self.start_generation(m)
-            endpoint.poll_every(POLL_RUNNING)
+            work.generation = self.start_generation(m, work.waker_for(endpoint))
             return
         log.warning(
             "declining a generate (unknown session, superseded epoch, replayed command, or one "
@@ -464,6 +572,7 @@ class NodeAgent:
             payload=TokenEventPayload.Finish(reason=FINISH_DECLINED),
         )
         endpoint.send(msg_type.TOKEN_EVENTS, TokenEventsMsg(events=[declined]))
+        self.observer.generation_declined(m.session_id, m.generation_id)
 
     def on_cancel(self, endpoint: Endpoint, m, work: Work) -> None:
         run = work.generation
@@ -473,8 +582,7 @@ class NodeAgent:
 
     def on_stage(self, endpoint: Endpoint, m: StageForwardReqMsg, work: Work) -> None:
         if work.stage is None:
-            work.stage = self.start_stage(m)
-            endpoint.poll_every(POLL_RUNNING)
+            work.stage = self.start_stage(m, work.waker_for(endpoint))
         else:
             # The head waits on one stage per connection; another is answered as one the
             # node could not run.
@@ -503,12 +611,12 @@ class NodeAgent:
 
     # ---- work off the connection's thread ---------------------------------------------------
 
-    def start_stage(self, m: StageForwardReqMsg) -> queue.Queue:
+    def start_stage(self, m: StageForwardReqMsg, waker: Waker) -> queue.Queue:
         """Runs a stage forward on a thread of its own, as a generation runs, so a long one does
         not leave the connection unread."""
         answer: queue.Queue = queue.Queue(maxsize=1)
         threading.Thread(
-            target=_run_stage, args=(self.daemon, m, answer), name="node-stage", daemon=True
+            target=_run_stage, args=(self.daemon, m, answer, waker), name="node-stage", daemon=True
         ).start()
         return answer
 
@@ -519,8 +627,9 @@ class NodeAgent:
             return
         work.stage = None
         endpoint.send(msg_type.STAGE_FORWARD_RESP, resp)
+        self.observer.stage_forwarded(resp.hidden is not None or resp.token is not None)
 
-    def start_generation(self, req: GenerateReqMsg) -> Running:
+    def start_generation(self, req: GenerateReqMsg, waker: Waker) -> Running:
         """Starts `req` on a thread of its own, so this connection goes on reading the head and
         sending status while it runs."""
         sh = self.shared
@@ -529,19 +638,18 @@ class NodeAgent:
             params = sh.params.get(req.session_id, GenParams())
             sh.busy.start()
             sh.runs += 1
+        cancel = threading.Event()
         run = Running(
             session_id=req.session_id,
             generation_id=req.generation_id,
             max_new=min(req.budgets.max_new_tokens, U32_MAX),
-            cancel=threading.Event(),
-            out=queue.Queue(),
-            last_flush=self.now_ms(),
+            cancel=cancel,
+            out=Outbox(waker, cancel),
+            watch=self.observer.generation_started(req.session_id, req.generation_id, len(context)),
         )
+        job = GenerationJob(context, params, run.max_new, req.budgets.max_wall_ms, cancel, run.out)
         threading.Thread(
-            target=_run_generation,
-            args=(self.daemon, sh, context, params, run.max_new, req.budgets.max_wall_ms, run.cancel, run.out),
-            name="node-generation",
-            daemon=True,
+            target=_run_generation, args=(self.daemon, sh, job), name="node-generation", daemon=True
         ).start()
         return run
 
@@ -550,45 +658,48 @@ class NodeAgent:
         if work.generation is None:
             return
         work.generation.stop()
+        work.generation.out.release()
+        work.generation.watch.dropped()
         work.generation = None
         with self.shared.lock:
             self.shared.runs -= 1
 
-    def forward(self, endpoint: Endpoint, run: Running, now: int) -> bool:
-        """Sends what `run` produced since the last pass, coalesced, and its finish once it ends.
-        True once it has ended, or its session was fenced and it goes silent."""
-        done: GenerationResult | DaemonError | None = None
-        while done is None:
-            try:
-                item = run.out.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Out.Tokens):
-                run.pending.extend(item.tokens)
-                if len(run.pending) >= EMIT_COALESCE_TOKENS and not self.flush(endpoint, run, now):
-                    return True
-            elif isinstance(item, Out.Done):
-                done = item.generated
-            else:
-                done = GenerationError("the generation ended without a result")
-        due = done is not None or now - run.last_flush >= EMIT_COALESCE_MS
-        if due and run.pending and not self.flush(endpoint, run, now):
-            return True
+    def forward(self, endpoint: Endpoint, run: Running) -> bool:
+        """Sends what `run` produced since the last pass, at most `EVENT_TOKENS_MAX` tokens, and
+        its finish once it ends; takes nothing while the head's unacknowledged events fill the
+        window. True once it has ended, or its session was fenced and it goes silent."""
+        if self.shared.stopping.is_set() and not run.drained:
+            run.drained = True
+            run.stop()
         sh = self.shared
+        with sh.lock:
+            unacked = sh.agent.unacked(run.session_id, run.generation_id)
+        room = min(EVENT_TOKENS_MAX, UNACKED_TOKENS_MAX - unacked.tokens)
+        if room <= 0 or unacked.events >= UNACKED_EVENTS_MAX:
+            if run.stalled_since is None:
+                run.stalled_since = self.now_ms()
+            return False
+        run.stalled_since = None
+        tokens, done = run.out.take(room)
+        if tokens and not self.flush(endpoint, run, tokens):
+            return True
         with sh.lock:
             if sh.agent.is_fenced(run.session_id) is not False:
                 return True
             if done is None:
                 return False
-            reason = self.finish_reason(run, done)
+            reason = self.finish_reason(run, done.generated)
             batch = sh.agent.emit(run.session_id, run.generation_id, TokenEventPayload.Finish(reason=reason))
         if batch is not None:
             endpoint.send(msg_type.TOKEN_EVENTS, batch)
+            run.watch.finished(reason)
         return True
 
     @staticmethod
-    def finish_reason(run: Running, generated: GenerationResult | DaemonError) -> int:
+    def finish_reason(run: Running, generated: GenerationResult | DaemonError | None) -> int:
         """The reason `run` ended with; raises the daemon's error when it is not the head's."""
+        if generated is None:
+            raise GenerationError("the generation ended without a result")
         if isinstance(generated, DaemonError):
             if not is_client_refusal(generated):
                 raise generated
@@ -598,6 +709,8 @@ class NodeAgent:
                 extra=_fields(session=run.session_id, generation=run.generation_id, error=generated),
             )
             return FINISH_REFUSED
+        if run.drained and generated.finish == finish.CANCELLED:
+            return finish.ERROR
         if run.cancelled:
             return finish.CANCELLED
         if generated.expired:
@@ -606,32 +719,27 @@ class NodeAgent:
             return finish.LENGTH
         return finish.EOS
 
-    def flush(self, endpoint: Endpoint, run: Running, now: int) -> bool:
-        """Sends `run`'s pending tokens; False when its session is fenced, which sends nothing."""
-        run.last_flush = now
-        tokens, run.pending = run.pending, []
+    def flush(self, endpoint: Endpoint, run: Running, tokens: list[int]) -> bool:
+        """Sends `tokens` as `run`'s next event; False when its session is fenced, which sends
+        nothing."""
         with self.shared.lock:
             batch = self.shared.agent.emit(run.session_id, run.generation_id, TokenEventPayload.Tokens(tokens=tokens))
         if batch is None:
             return False
         endpoint.send(msg_type.TOKEN_EVENTS, batch)
+        run.watch.tokens_sent(len(tokens))
         return True
 
 
-def _run_generation(daemon, shared, context, params, max_new, max_wall_ms, cancel, out) -> None:
-    """A generation's worker: each batch goes to `out`, then the result; stops at the next
-    batch once `cancel` is set, or at once while it still waits for a lane."""
-
-    def on_tokens(batch: list[int]) -> bool:
-        if cancel.is_set():
-            return False
-        out.put(Out.Tokens(list(batch)))
-        return True
-
+def _run_generation(daemon: Daemon, shared: AgentShared, job: GenerationJob) -> None:
+    """A generation's worker: each batch goes to the outbox, then the result; stops at the next
+    batch once cancelled, or at once while it still waits for a lane."""
     generated: GenerationResult | DaemonError | None = None
     try:
-        extras = GenExtras(cancel=cancel)
-        generated = daemon.generate_tokens_streaming(context, params, max_new, max_wall_ms, extras, on_tokens)
+        extras = GenExtras(cancel=job.cancel, consumer=job.out)
+        generated = daemon.generate_tokens_streaming(
+            job.context, job.params, job.max_new, job.max_wall_ms, extras, job.out.put
+        )
     except DaemonError as e:
         generated = e
     except Exception:
@@ -639,10 +747,10 @@ def _run_generation(daemon, shared, context, params, max_new, max_wall_ms, cance
     finally:
         with shared.lock:
             shared.busy.stop()
-        out.put(None if generated is None else Out.Done(generated))
+        job.out.finish(generated)
 
 
-def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue) -> None:
+def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue, waker: Waker) -> None:
     """A stage forward's worker. Any failure is answered as a stage the node could not run:
     the head has no timeout on a stage, so a worker that answered nothing would wedge it (the
     seed went silent when its worker panicked; linkf-wire §7 asks for an answer)."""
@@ -659,6 +767,11 @@ def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue) -> No
         log.exception("a stage forward's worker failed; answering it as not run")
     finally:
         answer.put(resp)
+        waker.set()
+
+
+def _stalled(work: Work) -> bool:
+    return work.generation is not None and work.generation.stalled_since is not None
 
 
 def _fields(**fields) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from nodeagent.wal import GenParams
 
@@ -55,6 +55,16 @@ def check_stream(stream: Sequence[int], max_context: int) -> None:
         raise StreamTooLong(max_context, len(stream))
 
 
+class Consumer(Protocol):
+    """Where a generation's tokens go, seen from the engine: a consumer that is `behind` would
+    block the next `on_tokens`, so an engine may give the generation's lane to another until
+    `wait_room` says it can move again."""
+
+    def behind(self) -> bool: ...
+
+    def wait_room(self, timeout: float) -> bool: ...
+
+
 @dataclass(frozen=True)
 class GenExtras:
     """What a generation may carry beyond its stream and params."""
@@ -63,6 +73,8 @@ class GenExtras:
     #: Set by the caller to stop the generation even before its first token: one still waiting
     #: for a lane leaves its queue at once (finish CANCELLED) rather than when a lane frees.
     cancel: threading.Event | None = None
+    #: The consumer of the tokens, when it can say that it is behind (None: never behind).
+    consumer: Consumer | None = None
 
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()

@@ -102,15 +102,34 @@ def encode_frame(frame):
     return header + frame.payload
 
 
+_HTTP_METHODS = (b"GET ", b"POST ", b"HEAD ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ", b"PRI ")
+
+
+def foreign_protocol(first):
+    """"HTTP" or "TLS" when the first bytes a peer sent (two or more) open a request of that
+    protocol, else None. A peer's first Link F frame (HELLO) or Noise message is short, so its
+    length never reads as these bytes do: a `curl` to the port is told apart from a bad frame."""
+    first = bytes(first)
+    if len(first) < 2:
+        return None
+    if first[0] == 0x16 and first[1] == 0x03:
+        return "TLS"
+    if any(first[: len(m)] == m[: len(first)] for m in _HTTP_METHODS):
+        return "HTTP"
+    return None
+
+
 class FrameDecoder:
     """Splits a byte stream into frames, however it is cut into `feed` calls.
 
     `is_known(msg_type)` says which types this link speaks: an unknown required type is a
-    protocol error, an unknown droppable one is skipped.
+    protocol error, an unknown droppable one is skipped. `max_frame` is the longest frame
+    accepted; a reader lowers it while only a small frame is legal (before HELLO).
     """
 
-    def __init__(self, is_known):
+    def __init__(self, is_known, max_frame=MAX_FRAME):
         self._is_known = is_known
+        self.max_frame = max_frame
         self._buf = bytearray()
         self._pos = 0
 
@@ -124,11 +143,18 @@ class FrameDecoder:
             if frame is not _SKIPPED:
                 return frame
 
+    def buffered(self):
+        """Bytes fed but not yet decoded: the start of a frame still incomplete."""
+        return len(self._buf) - self._pos
+
+    def peek(self, n):
+        """The first `n` bytes not yet decoded (fewer when fewer are buffered)."""
+        return bytes(self._buf[self._pos : self._pos + n])
+
     def finish(self):
         """Checks that the stream ended between frames."""
-        buffered = len(self._buf) - self._pos
-        if buffered:
-            raise Truncated(buffered)
+        if self.buffered():
+            raise Truncated(self.buffered())
 
     def _take_frame(self):
         """The next frame, None, or `_SKIPPED` for an unknown droppable one, consumed."""
@@ -138,8 +164,8 @@ class FrameDecoder:
         (length,) = _PREFIX.unpack_from(buf, pos)
         if length < HEADER_LEN:
             raise BadLength(length)
-        if length > MAX_FRAME:
-            raise FrameTooLarge(length)
+        if length > self.max_frame:
+            raise FrameTooLarge(length, self.max_frame)
         end = pos + 4 + length
         if len(buf) < end:
             return None

@@ -9,6 +9,11 @@ import enum
 from proto.postcard import U16, U32, U64, Bytes, Str, Tuple, Vec, struct
 
 
+#: The longest frame a node reads before HELLO. HELLO holds two versions, a role and the fleet
+#: token, a few dozen bytes; a peer that has not said who it is gets no 16 MiB buffer.
+MAX_HELLO_FRAME = 16 * 1024
+
+
 class LinkRole(enum.IntEnum):
     NodeAgent = 0
     Worker = 1

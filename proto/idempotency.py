@@ -123,10 +123,12 @@ class RetryBuffer(Generic[E]):
     def push(self, event_seq: int, event: E) -> None:
         self._events.append((event_seq, event))
 
-    def ack(self, watermark: int) -> None:
-        """Drops the leading events at or below ``watermark``."""
+    def ack(self, watermark: int) -> list[E]:
+        """Drops the leading events at or below ``watermark``, and returns them."""
+        dropped = []
         while self._events and self._events[0][0] <= watermark:
-            self._events.popleft()
+            dropped.append(self._events.popleft()[1])
+        return dropped
 
     def retransmit_from(self, from_seq: int) -> list[E]:
         return [e for seq, e in self._events if seq >= from_seq]
@@ -146,6 +148,13 @@ class LeaseClock:
 
     def _elapsed(self, now: int) -> int:
         return max(now - self.received_at, 0)
+
+    def renew_at(self) -> int:
+        """When (ms) the holder should ask for a renewal."""
+        return self.received_at + self.renew_by_ms
+
+    def expires_at(self) -> int:
+        return self.received_at + self.duration_ms
 
     def must_renew(self, now: int) -> bool:
         return self._elapsed(now) >= self.renew_by_ms

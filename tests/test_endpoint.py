@@ -65,8 +65,8 @@ def test_hello_both_ways_then_frames_carry_seq_and_version(make):
 def test_versions_negotiate_to_the_highest_common(versions, chosen):
     head, node = unix_pair()
     raw = []
-    node_recv = node._io.recv
-    node._io.recv = lambda: raw.append(node_recv()) or raw[-1]
+    node_open = node._io.open
+    node._io.open = lambda data: raw.append(node_open(data)) or raw[-1]
     assert handshake(head, node, versions).chosen_version == chosen
     assert head.version() == node.version() == chosen
     assert int.from_bytes(raw[0][4:6], "little") == versions[1], "HELLO goes out at the head's highest"
@@ -177,14 +177,14 @@ def idle_node(node, seconds):
 def sent_keepalives(ep):
     """Records when ``ep`` writes each KEEPALIVE frame."""
     times = []
-    sendall = ep._io.sendall
+    seal = ep._io.seal
 
     def tapped(data):
         if int.from_bytes(data[6:8], "little") == msg_type.KEEPALIVE:
             times.append(time.monotonic())
-        sendall(data)
+        return seal(data)
 
-    ep._io.sendall = tapped
+    ep._io.seal = tapped
     return times
 
 

@@ -150,7 +150,7 @@ def test_a_deadline_not_reached_changes_nothing():
 
 def test_a_callback_returning_false_cancels_at_once():
     seen = []
-    result = generate(MockDaemon(), PROMPTS[1], 100, on_tokens=lambda b: seen.append(b) or len(seen) < 5)
+    result = generate(MockDaemon(batch_tokens=1), PROMPTS[1], 100, on_tokens=lambda b: seen.append(b) or len(seen) < 5)
     assert result.finish == finish.CANCELLED
     assert len(seen) == 5 and result.tokens == reference(PROMPTS[1], 0, 5)
 

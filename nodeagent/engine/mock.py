@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import xxhash
@@ -36,8 +37,13 @@ PAGE_TOKENS = 16
 BYTES_PER_TOKEN = 64
 POOL_BYTES = 1 << 20
 POOL_BLOCKS = POOL_BYTES // (PAGE_TOKENS * BYTES_PER_TOKEN)
+#: Tokens one `on_tokens` call carries when steps are not delayed: one call per step would
+#: cost more than the step itself.
+DEFAULT_BATCH_TOKENS = 64
 
 _U64 = (1 << 64) - 1
+#: How often a generation waiting on its consumer looks at its cancel flag and deadline.
+_CONSUMER_CHECK = 0.05
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -107,9 +113,9 @@ class _Lanes:
             self._prefilled += prompt_len
             return lane
 
-    def decoded(self, lane: int, context_len: int) -> None:
+    def decoded(self, lane: int, tokens: int, context_len: int) -> None:
         with self._cond:
-            self._decoded += 1
+            self._decoded += tokens
             self._pages[lane] = _pages(context_len)
 
     def release(self, lane: int) -> None:
@@ -130,6 +136,21 @@ class _Lanes:
             )
 
 
+@dataclass
+class _Run:
+    """One generation's progress, kept across the lanes it runs on."""
+
+    stepper: _Stepper
+    prompt_len: int
+    max_tokens: int
+    deadline: float | None
+    extras: GenExtras
+    tokens: list[int] = field(default_factory=list)
+
+    def context_len(self) -> int:
+        return self.prompt_len + len(self.tokens)
+
+
 def _pages(tokens: int) -> int:
     return -(-tokens // PAGE_TOKENS)
 
@@ -138,7 +159,10 @@ class MockDaemon(Daemon):
     """The deterministic engine `--engine mock` serves from: no model, no end token.
 
     `token_delay_s` holds each step that long (tests use it to keep a generation open);
-    `batch_tokens` is how many tokens each `on_tokens` call carries, which changes no value.
+    `batch_tokens` is how many tokens each `on_tokens` call carries at most, which changes no
+    value: by default 64, or 1 when steps are delayed, so a delayed token is never held back.
+    A generation whose consumer is behind gives its lane to the next one waiting, and queues
+    for a lane again once the consumer catches up: a head that stops reading holds no lane.
     """
 
     def __init__(
@@ -146,11 +170,13 @@ class MockDaemon(Daemon):
         max_context: int = 4096,
         max_lanes: int = 8,
         token_delay_s: float = 0.0,
-        batch_tokens: int = 1,
+        batch_tokens: int | None = None,
     ):
         self._max_context = max_context
         self._lanes = _Lanes(max_lanes)
         self._delay = token_delay_s
+        if batch_tokens is None:
+            batch_tokens = 1 if token_delay_s else DEFAULT_BATCH_TOKENS
         self._batch = max(1, batch_tokens)
         self._closed = threading.Event()
 
@@ -190,36 +216,54 @@ class MockDaemon(Daemon):
             stepper = _Stepper(stream, params.seed)
         except ValueError as e:
             raise GenerationError(str(e)) from None
-        lane = self._lanes.admit(extras.qos_class, len(stream), deadline, (self._closed, extras.cancel))
-        if lane is None:
-            return self._unadmitted(extras)
-        try:
-            return self._run(lane, stepper, len(stream), max_tokens, deadline, on_tokens)
-        finally:
-            self._lanes.release(lane)
+        run = _Run(stepper, len(stream), max_tokens, deadline, extras)
+        while True:
+            lane = self._lanes.admit(extras.qos_class, run.context_len(), deadline, (self._closed, extras.cancel))
+            if lane is None:
+                return self._unadmitted(run)
+            try:
+                result = self._run(lane, run, on_tokens)
+            finally:
+                self._lanes.release(lane)
+            if result is not None:
+                return result
+            if not self._wait_for_consumer(run):
+                return self._unadmitted(run)
 
-    def _unadmitted(self, extras: GenExtras) -> GenerationResult:
-        if self._closed.is_set() or extras.cancelled():
-            return GenerationResult([], finish.CANCELLED)
+    def _unadmitted(self, run: _Run) -> GenerationResult:
+        if self._closed.is_set() or run.extras.cancelled():
+            return GenerationResult(run.tokens, finish.CANCELLED)
         return GenerationResult([], finish.NONE, expired=True)
 
-    def _run(self, lane, stepper, prompt_len, max_tokens, deadline, on_tokens) -> GenerationResult:
-        tokens: list[int] = []
-        batch: list[int] = []
-        while len(tokens) < max_tokens:
-            if self._pause():
-                return GenerationResult(tokens, finish.CANCELLED)
-            if deadline is not None and time.monotonic() >= deadline:
-                return GenerationResult([], finish.NONE, expired=True)
-            token = stepper.next()
-            tokens.append(token)
-            batch.append(token)
-            self._lanes.decoded(lane, prompt_len + len(tokens))
-            if len(batch) >= self._batch or len(tokens) == max_tokens:
-                if not on_tokens(batch):
-                    return GenerationResult(tokens, finish.CANCELLED)
-                batch = []
-        return GenerationResult(tokens, finish.NONE)
+    def _run(self, lane: int, run: _Run, on_tokens: OnTokens) -> GenerationResult | None:
+        """Steps `run` on `lane` until it ends (its result) or its consumer falls behind
+        (None: the lane goes back, and the run waits for the consumer)."""
+        consumer = run.extras.consumer
+        while len(run.tokens) < run.max_tokens:
+            if consumer is not None and consumer.behind():
+                return None
+            batch: list[int] = []
+            while len(batch) < self._batch and len(run.tokens) + len(batch) < run.max_tokens:
+                if self._pause():
+                    return GenerationResult(run.tokens + batch, finish.CANCELLED)
+                if run.deadline is not None and time.monotonic() >= run.deadline:
+                    return GenerationResult([], finish.NONE, expired=True)
+                batch.append(run.stepper.next())
+            run.tokens += batch
+            self._lanes.decoded(lane, len(batch), run.context_len())
+            if not on_tokens(batch):
+                return GenerationResult(run.tokens, finish.CANCELLED)
+        return GenerationResult(run.tokens, finish.NONE)
+
+    def _wait_for_consumer(self, run: _Run) -> bool:
+        """Waits, holding no lane, until `run`'s consumer can take more; False when the engine
+        closes, the generation is cancelled or its deadline passes first."""
+        while not run.extras.consumer.wait_room(_CONSUMER_CHECK):
+            if self._closed.is_set() or run.extras.cancelled():
+                return False
+            if run.deadline is not None and time.monotonic() >= run.deadline:
+                return False
+        return True
 
     def _pause(self) -> bool:
         """Waits out the per-token delay; True once the engine is closed."""

@@ -1,0 +1,108 @@
+"""The bounded hand-off from a generation's worker to its connection's loop (the seed's mpsc
+channel, with a bound).
+
+The worker puts one batch per engine step and blocks while `OUTBOX_BATCHES` batches wait, so a
+loop that falls behind (a head that does not read or does not acknowledge) holds the generation
+back instead of letting its tokens pile up in memory. An engine may ask `behind()` before a step
+and give its lane to another generation while this one cannot move. Every hand-over sets the
+connection's waker, so the loop sleeps in poll(2) until there is something to send.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+from linkf.waker import Waker
+from nodeagent.daemon import DaemonError, GenerationResult
+
+#: Batches the worker may have handed over and the loop not yet taken: with the mock's 64-token
+#: batches and the torch engine's one token a step, at most 4,096 tokens wait here.
+OUTBOX_BATCHES = 64
+#: How often a worker blocked on a full outbox looks at its cancel flag.
+_CANCEL_CHECK = 0.05
+
+
+@dataclass(frozen=True)
+class Done:
+    """The generation ended: its result, or the daemon's error; None when the worker failed
+    without one (the seed's hung-up channel)."""
+
+    generated: GenerationResult | DaemonError | None
+
+
+class Outbox:
+    """One generation's batches on their way to the loop, then its `Done`."""
+
+    def __init__(self, waker: Waker, cancel: threading.Event, capacity: int = OUTBOX_BATCHES) -> None:
+        self._queue: queue.Queue[list[int] | Done] = queue.Queue(maxsize=capacity)
+        self._waker = waker
+        self._cancel = cancel
+        #: The loop's side: what `take` pulled beyond its limit, sent first next time.
+        self._carry: list[int] = []
+        self._released = threading.Event()
+
+    # The worker's side
+
+    def put(self, batch: list[int]) -> bool:
+        """Hands `batch` over, waiting while the outbox is full; False once the generation is
+        cancelled, which hands nothing over."""
+        return self._hand_over(list(batch), self._cancel)
+
+    def finish(self, generated: GenerationResult | DaemonError | None) -> None:
+        """Hands over the end, after every batch; dropped once the loop has let go."""
+        self._hand_over(Done(generated), self._released)
+
+    def behind(self) -> bool:
+        """The loop has not taken what was handed over: the next `put` would wait."""
+        return self._queue.full()
+
+    def wait_room(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for the loop to take something; True once it has."""
+        with self._queue.not_full:
+            if self._queue.qsize() >= self._queue.maxsize:
+                self._queue.not_full.wait(timeout)
+            return self._queue.qsize() < self._queue.maxsize
+
+    def _hand_over(self, item: list[int] | Done, give_up: threading.Event) -> bool:
+        while not give_up.is_set():
+            try:
+                self._queue.put(item, timeout=_CANCEL_CHECK)
+            except queue.Full:
+                continue
+            self._waker.set()
+            return True
+        return False
+
+    # The loop's side
+
+    def take(self, limit: int) -> tuple[list[int], Done | None]:
+        """Up to `limit` tokens handed over so far, oldest first, and the `Done` once every
+        token before it has been taken."""
+        tokens, self._carry = self._carry, []
+        while len(tokens) < limit:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Done):
+                return tokens, item
+            tokens += item
+        if len(tokens) > limit:
+            tokens, self._carry = tokens[:limit], tokens[limit:]
+        return tokens, None
+
+    def ready(self) -> bool:
+        """Something waits to be taken."""
+        return bool(self._carry) or not self._queue.empty()
+
+    def release(self) -> None:
+        """The loop lets the generation go (after setting its cancel): empties the outbox, so a
+        worker blocked on a full one returns at once, and drops whatever it hands over next."""
+        self._released.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
