@@ -9,6 +9,7 @@ drains on SIGTERM/SIGINT: it stops accepting, lets running generations finish, a
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
 import logging
 import os
 import re
@@ -35,7 +36,8 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
 [--device auto|cpu|cuda|cuda:N] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
-[--metrics-listen <ip:port>] [--log-format text|json]
+[--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
+[--session-retention-ms N]
        {PROGRAM} join <head-host:port> --model <path|builtin> [--token <value>] [the flags above \
 but --listen]
        {PROGRAM} --version
@@ -50,6 +52,8 @@ no model. Nothing is downloaded.
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
  SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests;
  --record <dir> writes each connection there as a transcript (superfluid-conformance show).
+ --max-connections (default 256) caps the connections open at once; --session-retention-ms
+ (default 300000) is how long a session whose lease ran out is kept for a reconnecting head.
  --metrics-listen serves Prometheus text at /metrics and a health check at /health;
  --log-format json writes one JSON object a line.
  `join` dials the head instead of listening, one connection per lane, and dials again when a
@@ -114,6 +118,8 @@ class Options:
     record: str | None = None
     metrics_listen: str | None = None
     log_format: str = "text"
+    max_connections: int = 256
+    session_retention_ms: int = 300_000
     #: The head's address in join mode (`superfluid-noded join HOST:PORT`); None: listen mode.
     join: str | None = None
     #: `--token` (join mode): stored at $SUPERFLUID_HOME/fleet/token before it is read.
@@ -188,6 +194,8 @@ FLAGS = {
     "--record": ("record", str),
     "--metrics-listen": ("metrics_listen", _address),
     "--log-format": ("log_format", _log_format),
+    "--max-connections": ("max_connections", _count),
+    "--session-retention-ms": ("session_retention_ms", _count),
     "--token": ("token", str),
 }
 #: Flags whose value is a free string, named in the "takes a value" message.
@@ -246,7 +254,23 @@ def _parse_flags(argv: list[str], opts: Options) -> set[str]:
 
 
 def loopback(listen: str) -> bool:
-    return listen.startswith(("127.", "localhost:", "[::1]:"))
+    """Whether every address `listen`'s host resolves to is a loopback address. The addresses
+    are checked, not the text (`127.0.0.1.nip.io` is a name like any other); a host that does
+    not resolve is not loopback."""
+    host = listen.rpartition(":")[0]
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError):
+        return False
+    return bool(infos) and all(_is_loopback(info[4][0]) for info in infos)
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def superfluid_home(env=os.environ) -> Path:

@@ -2,7 +2,11 @@
 the drain on SIGTERM/SIGINT.
 
 A connection's failure is one log line naming the peer and the reason, and never reaches the
-process or another connection: a head that misbehaves costs only its own link.
+process or another connection: a head that misbehaves costs only its own link. Neither does a
+failure to take or start a connection (out of descriptors, threads or memory): one line, a short
+pause, and the loop goes on. Who gets a connection is `admission`'s call: at most
+`--max-connections` open, and a flood of handshakes that never finish pushes out only its own
+kind, never a real head.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import select
 import signal
 import socket
 import threading
@@ -20,17 +25,25 @@ from linkf.driver import SUPPORTED_VERSIONS, Endpoint
 from linkf.errors import LinkFError
 from linkf.secure import NoiseRole
 from linkf.transcript import NODE, Recorder
+from nodeagent.admission import Admission, Entry, Limits
 from nodeagent.agent import NodeAgent
 from nodeagent.cli import Options, say, show_addr
 from nodeagent.daemon import Daemon, DaemonError
 
 log = logging.getLogger("nodeagent.noded")
 
-#: Handshakes in progress at once; past this a connection is closed before its handshake, so a
-#: burst of connects (a port scan) cannot hold a thread each for the handshake timeout.
-MAX_HANDSHAKES = 64
-#: How often the accept loop looks for a stop signal, and a drain at its generations.
+#: How often the accept loop looks for a stop signal, and a drain at its generations; also its
+#: pause after a connection it could not take or start.
 POLL_S = 0.1
+#: How long a new connection may say nothing at all: a head speaks at once, so a silent socket
+#: is let go long before the handshake timeout.
+FIRST_BYTE_S = 2.0
+#: How often the accept loop fences expired leases and forgets old fenced sessions itself, so
+#: that happens with no head connected too.
+SWEEP_S = 1.0
+#: How long a drain that ran out of time waits for the generations it stopped to send their
+#: Finish.
+STOP_GRACE_S = 3.0
 
 
 class Node:
@@ -51,7 +64,8 @@ class Node:
             .with_timeouts(self.handshake_s, opts.idle_timeout_ms / 1000)
             .with_auth(token)
         )
-        self._handshakes = threading.Semaphore(MAX_HANDSHAKES)
+        self.agent.shared.agent.retention_ms = opts.session_retention_ms
+        self.admission: Admission[socket.socket] = Admission(Limits(max_connections=max(opts.max_connections, 1)))
         self._signals = 0
         self._stop = threading.Event()
 
@@ -64,8 +78,12 @@ class Node:
     def serve_until_signalled(self, listener: socket.socket) -> int:
         """Accepts heads until a signal, then drains; the process's exit code."""
         listener.settimeout(POLL_S)
+        swept = time.monotonic()
         while not self._stop.is_set():
             self._accept_one(listener)
+            if time.monotonic() - swept >= SWEEP_S:
+                self.agent.fence(self.agent.now_ms())
+                swept = time.monotonic()
         listener.close()
         return self.drain()
 
@@ -84,38 +102,75 @@ class Node:
             time.sleep(POLL_S)
             return
         peer = show_addr(addr)
-        if not self._handshakes.acquire(blocking=False):
-            log.debug(f"closed a connection from {peer}: {MAX_HANDSHAKES} handshakes already in progress")
+        decision = self.admission.admit(addr[0], sock)
+        for gone in decision.evicted:
+            log.debug(f"let go of a connection from {gone.source} still in its handshake, for a newer one")
+            _hang_up(gone)
+        if decision.ticket is None:
+            log.debug(f"closed a connection from {peer}: {self.admission.limits.max_connections} connections open")
             sock.close()
             return
         log.debug(f"accepted a connection from {peer}")
-        conn = self.agent.connection()
-        threading.Thread(
-            target=self._serve_connection, args=(conn, sock, peer), name=f"node-conn {peer}", daemon=True
-        ).start()
-
-    def _serve_connection(self, conn: NodeAgent, sock: socket.socket, peer: str) -> None:
         try:
+            threading.Thread(
+                target=self._serve_connection,
+                args=(decision.ticket, self.agent.connection(), sock, peer),
+                name=f"node-conn {peer}",
+                daemon=True,
+            ).start()
+        except (RuntimeError, MemoryError) as e:
+            # Out of threads or memory (a container's pids or memory limit): this connection
+            # goes, the node stays.
+            self.admission.release(decision.ticket)
+            sock.close()
+            say(f"closed the connection from {peer}: cannot start its thread: {e}")
+            time.sleep(POLL_S)
+
+    def _serve_connection(self, ticket: int, conn: NodeAgent, sock: socket.socket, peer: str) -> None:
+        try:
+            self._serve_admitted(ticket, conn, sock, peer)
+        finally:
+            self.admission.release(ticket)
+            sock.close()
+
+    def _serve_admitted(self, ticket: int, conn: NodeAgent, sock: socket.socket, peer: str) -> None:
+        try:
+            if not self._speaks(sock):
+                log.warning(f"dropped a connection from {peer}: it sent nothing in {FIRST_BYTE_S:g} s")
+                return
             endpoint = self._open(sock)
         except LinkFError.Unauthorized:
             say(f"refused {peer}: its fleet token differs")
             return
         except Exception as e:  # noqa: BLE001 - one line per failed connection, never more
-            say(f"a connection from {peer} failed its setup: {describe(e, peer)}")
-            sock.close()
+            self._ended(ticket, peer, f"a connection from {peer} failed its setup: {describe(e, peer)}")
             return
-        finally:
-            self._handshakes.release()
         try:
             with self._recording(endpoint, peer):
-                conn.serve(endpoint)
+                conn.serve(endpoint, on_hello=lambda: self.admission.hello(ticket))
         except LinkFError.Unauthorized:
             say(f"refused {peer}: its fleet token differs")
         except LinkFError.Closed:
             log.debug(f"connection from {peer} closed")
         except Exception as e:  # noqa: BLE001 - as above: the process outlives every connection
-            say(f"the connection from {peer} ended: {describe(e, peer)}")
+            self._ended(ticket, peer, f"the connection from {peer} ended: {describe(e, peer)}")
             log.debug("the connection's traceback", exc_info=True)
+
+    def _ended(self, ticket: int, peer: str, line: str) -> None:
+        """Says `line`, unless admission let the connection go: then that was the cause."""
+        if self.admission.release(ticket):
+            say(line)
+        else:
+            log.debug(f"a connection from {peer} was let go in its handshake")
+
+    def _speaks(self, sock: socket.socket) -> bool:
+        """Whether the peer sends something (or hangs up) within `FIRST_BYTE_S`; always True
+        when the handshake timeout is as short already."""
+        if 0 < self.handshake_s <= FIRST_BYTE_S:
+            return True
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(int(FIRST_BYTE_S * 1000)))
 
     @contextlib.contextmanager
     def _recording(self, endpoint: Endpoint, peer: str):
@@ -146,9 +201,21 @@ class Node:
             running = self.agent.running_generations()
         if running:
             say(f"drain ended with {running} generation(s) still running; stopping them")
+            self.agent.stop_generations()
+            deadline = time.monotonic() + STOP_GRACE_S
+            while self.agent.running_generations() and time.monotonic() < deadline:
+                time.sleep(POLL_S / 5)
         self.daemon.close()
         say("drained; exiting")
         return 0
+
+
+def _hang_up(entry: Entry[socket.socket]) -> None:
+    """Ends a connection another thread is serving: its read wakes and finds the link closed."""
+    try:
+        entry.handle.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def describe(e: BaseException, peer: str) -> str:
