@@ -5,9 +5,9 @@ STAMP := .venv/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -37,6 +37,7 @@ from nodeagent.daemon import (
     StageHidden,
     StageToken,
     StreamTooLong,
+    host_memory_bytes,
 )
 from nodeagent.fleet import decode_params, decode_tokens
 from nodeagent.observe import GenerationWatch, NodeObserver
@@ -98,6 +99,8 @@ UNACKED_EVENTS_MAX = 1024
 MIN_BUSY_MS = 200
 
 _connections = itertools.count(1)
+#: The machine's memory, in every capacity the node reports: it does not change while it runs.
+HOST_MEMORY = host_memory_bytes()
 #: Frames that may move a lease deadline, after which the loop works out the next one anew.
 _LEASE_TYPES = frozenset(
     (msg_type.SESSION_ASSIGN, msg_type.SESSION_REVOKE, msg_type.LEASE_GRANT, msg_type.RECONCILE)
@@ -329,10 +332,11 @@ class NodeAgent:
         kv_used, kv_total, lanes, max_lanes, depth, rate, prefill_rate, at = self.sample_load()
         with self.shared.lock:
             active = len(self.shared.contexts)
+        memory = self.daemon.device_memory()
         return CapacitySummary(
-            gpu_memory_bytes=0,
-            gpu_memory_free_bytes=0,
-            host_memory_bytes=0,
+            gpu_memory_bytes=memory.total,
+            gpu_memory_free_bytes=memory.free,
+            host_memory_bytes=HOST_MEMORY,
             active_sessions=active,
             max_sessions=U32_MAX,
             max_context_tokens=self.daemon.max_stream_tokens(),

@@ -294,10 +294,7 @@ def read_default_token(home: Path) -> bytes | None:
 def fleet_token(opts: Options) -> bytes:
     """The fleet token, or b"" where serving without one is allowed; Exit where it is not."""
     if opts.auth_file is not None:
-        try:
-            token = Path(opts.auth_file).read_bytes().strip(ASCII_WHITESPACE)
-        except OSError as e:
-            raise Exit(1, f"cannot read --auth-file {opts.auth_file}: {_os_error(e)}") from None
+        token = read_auth_file(opts.auth_file)
         if not token and not loopback(opts.listen) and not opts.insecure_no_auth:
             raise Exit(
                 2,
@@ -327,6 +324,14 @@ def fleet_token(opts: Options) -> bytes:
     return b""
 
 
+def read_auth_file(path: str) -> bytes:
+    """The token in `path`, ASCII whitespace trimmed; Exit(1) when it cannot be read."""
+    try:
+        return Path(path).read_bytes().strip(ASCII_WHITESPACE)
+    except OSError as e:
+        raise Exit(1, f"cannot read --auth-file {path}: {_os_error(e)}") from None
+
+
 def _os_error(e: OSError) -> str:
     """An OS error as Rust's `io::Error` prints it: `No such file or directory (os error 2)`."""
     if e.errno is not None and e.strerror:
@@ -334,17 +339,24 @@ def _os_error(e: OSError) -> str:
     return str(e)
 
 
-def bind(listen: str) -> socket.socket:
-    """A socket bound (not yet listening) to `listen`: connects are refused until `listen()`."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise Exit(1, f"bind {listen} failed: invalid socket address")
+def resolve(listen: str) -> tuple:
+    """`(family, type, proto, canonname, sockaddr)` of `listen` (checked by the parser to be
+    `host:port`); Exit(1) when the host does not resolve."""
+    host, _, port = listen.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        return socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise Exit(1, f"bind {listen} failed: {_os_error(e)}") from None
+
+
+def bind(listen: str) -> socket.socket:
+    """A socket bound (not yet listening) to `listen`: connects are refused until `listen()`."""
+    family, kind, proto, _, addr = resolve(listen)
+    try:
         sock = socket.socket(family, kind, proto)
-    except (OSError, OverflowError) as e:
-        raise Exit(1, f"bind {listen} failed: {_os_error(e) if isinstance(e, OSError) else e}") from None
+    except OSError as e:
+        raise Exit(1, f"bind {listen} failed: {_os_error(e)}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
@@ -421,15 +433,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(opts: Options) -> int:
     """Everything that can refuse the node does so before the model loads."""
+    if opts.join is not None:
+        from nodeagent.join import run_join  # here: it imports this module
+
+        return run_join(opts)
     token = fleet_token(opts)
     listener = bind(opts.listen)
     try:
+        metrics = start_metrics(opts)
         daemon = load(opts, pick_runtime(opts))
         say(daemon.summary())
         listener.listen(128)
         from nodeagent.noded import Node  # here: it imports this module, and the wire stack
 
-        node = Node(daemon, opts, token, identity(opts))
+        node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
         node.catch_signals()
         say(
             f"node '{node.identity}' serving '{node.model_name}' on "
@@ -437,9 +454,40 @@ def run(opts: Options) -> int:
         )
         if token:
             say("the link is encrypted and both ends are checked against the token")
+        node.observer.node_state("serving")
         return node.serve_until_signalled(listener)
     finally:
         listener.close()
+
+
+def start_metrics(opts: Options):
+    """With `--metrics-listen`: the node's `NodeMetrics`, served from now on (`/health` says
+    503 while the model loads); Exit(1) when its port will not bind. Else None."""
+    if opts.metrics_listen is None:
+        return None
+    from nodeagent.metrics import MetricsServer, NodeMetrics
+
+    metrics = NodeMetrics(identity(opts), version())
+    family, _, _, _, addr = resolve(opts.metrics_listen)
+    try:
+        server = MetricsServer(metrics, family, addr)
+    except OSError as e:
+        raise Exit(1, f"bind {opts.metrics_listen} failed: {_os_error(e)}") from None
+    server.start()
+    say(f"metrics at http://{show_addr(server.address())}/metrics, health at /health")
+    return metrics
+
+
+def observers(daemon, opts: Options, metrics):
+    """What watches the node: the story lines in the log, and the metrics when served."""
+    from nodeagent.observe import Observers
+    from nodeagent.story import StoryLog
+
+    story = StoryLog(daemon, opts.max_batch)
+    if metrics is None:
+        return Observers(story)
+    metrics.serve_engine(daemon, opts.max_batch, opts.model_name or daemon.model_name)
+    return Observers(metrics, story)
 
 
 def version() -> str:

@@ -7,6 +7,7 @@ behind it unchanged.
 from __future__ import annotations
 
 import abc
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
@@ -118,6 +119,23 @@ class SchedStats:
     pool_blocks_total: int = 0
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The accelerator's memory in bytes, for the capacity a head places by; 0 = none or
+    unknown."""
+
+    total: int = 0
+    free: int = 0
+
+
+def host_memory_bytes() -> int:
+    """The machine's physical memory in bytes (0 when the OS will not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
 class Daemon(abc.ABC):
     """The engine interface. Every method may be called from any thread."""
 
@@ -160,6 +178,10 @@ class Daemon(abc.ABC):
     @abc.abstractmethod
     def summary(self) -> str:
         """One line for the start-up log: runtime, context window, lanes."""
+
+    def device_memory(self) -> DeviceMemory:
+        """The memory of the device the model runs on; none for an engine off any accelerator."""
+        return DeviceMemory()
 
     def close(self) -> None:
         """Stop background threads; generations still running end CANCELLED."""

@@ -29,6 +29,7 @@ from nodeagent.admission import Admission, Entry, Limits
 from nodeagent.agent import NodeAgent
 from nodeagent.cli import Options, say, show_addr
 from nodeagent.daemon import Daemon, DaemonError
+from nodeagent.observe import Observers
 
 log = logging.getLogger("nodeagent.noded")
 
@@ -49,8 +50,9 @@ STOP_GRACE_S = 3.0
 class Node:
     """One node process: the agent every connection shares, and the listener feeding it."""
 
-    def __init__(self, daemon: Daemon, opts: Options, token: bytes, identity: str):
+    def __init__(self, daemon: Daemon, opts: Options, token: bytes, identity: str, observer: Observers | None = None):
         self.daemon = daemon
+        self.observer = observer if observer is not None else Observers()
         self.identity = identity
         self.model_name = opts.model_name or daemon.model_name
         self.token = token
@@ -63,6 +65,7 @@ class Node:
             .with_max_lanes(opts.max_batch)
             .with_timeouts(self.handshake_s, opts.idle_timeout_ms / 1000)
             .with_auth(token)
+            .with_observer(self.observer)
         )
         self.agent.shared.agent.retention_ms = opts.session_retention_ms
         self.admission: Admission[socket.socket] = Admission(Limits(max_connections=max(opts.max_connections, 1)))
@@ -86,6 +89,14 @@ class Node:
                 swept = time.monotonic()
         listener.close()
         return self.drain()
+
+    def stopping(self) -> bool:
+        """Whether a signal asked the node to stop."""
+        return self._stop.is_set()
+
+    def wait_for_stop(self, seconds: float) -> bool:
+        """Waits up to `seconds` for a stop signal; whether one came."""
+        return self._stop.wait(seconds)
 
     def _on_signal(self, signum, _frame) -> None:
         self._signals += 1
@@ -137,24 +148,37 @@ class Node:
         try:
             if not self._speaks(sock):
                 log.warning(f"dropped a connection from {peer}: it sent nothing in {FIRST_BYTE_S:g} s")
+                self.observer.ended(peer, None)
                 return
             endpoint = self._open(sock)
-        except LinkFError.Unauthorized:
+        except LinkFError.Unauthorized as e:
+            self.observer.ended(peer, e)
             say(f"refused {peer}: its fleet token differs")
             return
         except Exception as e:  # noqa: BLE001 - one line per failed connection, never more
+            self.observer.ended(peer, e)
             self._ended(ticket, peer, f"a connection from {peer} failed its setup: {describe(e, peer)}")
             return
+        error: BaseException | None = None
         try:
             with self._recording(endpoint, peer):
-                conn.serve(endpoint, on_hello=lambda: self.admission.hello(ticket))
-        except LinkFError.Unauthorized:
+                conn.serve(endpoint, on_hello=lambda: self._hello(ticket, peer))
+        except LinkFError.Unauthorized as e:
+            error = e
             say(f"refused {peer}: its fleet token differs")
-        except LinkFError.Closed:
+        except LinkFError.Closed as e:
+            error = e
             log.debug(f"connection from {peer} closed")
         except Exception as e:  # noqa: BLE001 - as above: the process outlives every connection
+            error = e
             self._ended(ticket, peer, f"the connection from {peer} ended: {describe(e, peer)}")
             log.debug("the connection's traceback", exc_info=True)
+        finally:
+            self.observer.ended(peer, error)
+
+    def _hello(self, ticket: int, peer: str) -> None:
+        self.admission.hello(ticket)
+        self.observer.connection_opened(peer)
 
     def _ended(self, ticket: int, peer: str, line: str) -> None:
         """Says `line`, unless admission let the connection go: then that was the cause."""
@@ -193,6 +217,7 @@ class Node:
 
     def drain(self) -> int:
         """Waits, up to the drain timeout or a second signal, for running generations to finish."""
+        self.observer.node_state("draining")
         running = self.agent.running_generations()
         say(f"draining: no new connections; {running} generation(s) running, waiting up to {self.drain_s:g} s")
         deadline = time.monotonic() + self.drain_s

@@ -137,3 +137,21 @@ def start_node():
 def node(start_node) -> ServedNode:
     """A mock node with the default settings of `start_node`."""
     return start_node()
+
+
+@pytest.fixture
+def noded(tmp_path):
+    """`noded(*args, ready=SERVING, **env)` -> a `superfluid-noded` process (`nodeproc.Noded`)
+    with its own `SUPERFLUID_HOME` under `tmp_path`, killed after the test."""
+    from nodeproc import SERVING, Noded
+
+    started: list[Noded] = []
+
+    def start(*args, ready=SERVING, **env) -> Noded:
+        node = Noded(args, tmp_path, ready, **env)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.kill()

@@ -4,13 +4,9 @@ the logging and the connection limits this port adds)."""
 
 from __future__ import annotations
 
-import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,81 +18,6 @@ from nodeagent import finish
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
-
-SERVING = re.compile(r"^superfluid-noded: node '(.*)' serving '(.*)' on (\S+) \(Link F/TCP\)$")
-START_TIMEOUT = 20.0
-
-
-class Noded:
-    """One `superfluid-noded` process; its stderr is read on a thread, line by line."""
-
-    def __init__(self, args, home, **env):
-        base = {k: v for k, v in os.environ.items() if k not in ("SUPERFLUID_LOG", "RUST_LOG")}
-        base.update(HOME=str(home), SUPERFLUID_HOME=str(home / ".superfluid"), **env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nodeagent", *args],
-            env=base,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._new: queue.Queue = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        match = SERVING.match(self.wait_line(SERVING.pattern, START_TIMEOUT))
-        self.identity, self.model_name, self.addr = match.groups()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            self._new.put(line.rstrip("\n"))
-        self._new.put(None)
-
-    def wait_line(self, pattern: str, timeout: float = 10.0) -> str:
-        """The first stderr line, old or new, that `pattern` matches."""
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while True:
-            for line in self.lines[seen:]:
-                if re.search(pattern, line):
-                    return line
-            seen = len(self.lines)
-            try:
-                if self._new.get(timeout=max(deadline - time.monotonic(), 0.01)) is None and seen == len(self.lines):
-                    raise AssertionError(f"noded exited without {pattern!r}:\n" + "\n".join(self.lines))
-            except queue.Empty:
-                raise AssertionError(f"no {pattern!r} within {timeout} s:\n" + "\n".join(self.lines)) from None
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 10.0) -> int:
-        self.proc.send_signal(sig)
-        return self.wait(timeout)
-
-    def wait(self, timeout: float = 10.0) -> int:
-        """The exit code, once every stderr line is in `lines`."""
-        code = self.proc.wait(timeout)
-        self._reader.join(timeout)
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-@pytest.fixture
-def noded(tmp_path):
-    started: list[Noded] = []
-
-    def start(*args, **env) -> Noded:
-        node = Noded(args, tmp_path, **env)
-        started.append(node)
-        return node
-
-    yield start
-    for node in started:
-        node.kill()
 
 
 def local_mock(prompt, max_new, seed=0):

@@ -21,6 +21,7 @@ from nodeagent import finish
 from nodeagent.daemon import (
     QOS_CLASSES,
     Daemon,
+    DeviceMemory,
     GenerationError,
     GenerationResult,
     GenExtras,
@@ -233,6 +234,12 @@ class TorchDaemon(Daemon):
             f"({_mb(pool.total * block)}, taken as used), "
             + ("free memory unknown" if free is None else f"{_mb(free)} free")
         )
+
+    def device_memory(self) -> DeviceMemory:
+        if self.model.device.type != "cuda":
+            return DeviceMemory()
+        free, total = torch.cuda.mem_get_info(self.model.device)
+        return DeviceMemory(total=total, free=free)
 
     def close(self) -> None:
         self._scheduler.close()
