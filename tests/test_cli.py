@@ -226,9 +226,16 @@ def test_a_missing_model_exits_3_and_names_it(home):
 
 
 def test_a_model_of_no_known_format_exits_3(home):
-    (home / "weights.gguf").write_bytes(b"GGUF")
-    out = noded(home, "--listen", "127.0.0.1:0", "--model", str(home / "weights.gguf"))
+    (home / "weights.onnx").write_bytes(b"ONNX")
+    out = noded(home, "--listen", "127.0.0.1:0", "--model", str(home / "weights.onnx"))
     assert out.returncode == 3 and "--runtime" in out.stderr
+
+
+def test_a_damaged_gguf_file_exits_3_naming_it(home):
+    (home / "weights.gguf").write_bytes(b"GGUF")
+    out = noded(home, "--listen", "127.0.0.1:0", "--model", str(home / "weights.gguf"), timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "weights.gguf is not a readable GGUF file" in out.stderr
 
 
 def test_a_cuda_device_this_torch_cannot_see_exits_3(home):

@@ -151,6 +151,9 @@ def test_a_kv_budget_below_one_window_grows_the_pool_to_one_and_says_so(tmp_path
         ("missing_shard", "model-00002-of-00002.safetensors is missing"),
         ("truncated_file", "cannot be read"),
         ("no_weights", "no *.safetensors files"),
+        ("gelu", "hidden_act 'gelu' is not supported"),
+        ("mlp_bias", "mlp_bias true is not supported"),
+        ("stray_bias", "tensors this engine does not use: model.layers.0.mlp.down_proj.bias"),
     ],
 )
 def test_damaged_checkpoint_fails_naming_the_problem(tmp_path, tensors, damage, message):
@@ -160,6 +163,8 @@ def test_damaged_checkpoint_fails_naming_the_problem(tmp_path, tensors, damage, 
         del broken["model.layers.1.mlp.up_proj.weight"]
     if damage == "wrong_shape":
         broken["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 63)
+    if damage == "stray_bias":
+        broken["model.layers.0.mlp.down_proj.bias"] = torch.zeros(64)
     write_checkpoint(directory, TINY, broken, shards=2)
     config_path = directory / "config.json"
     raw = json.loads(config_path.read_text())
@@ -173,6 +178,12 @@ def test_damaged_checkpoint_fails_naming_the_problem(tmp_path, tensors, damage, 
         config_path.write_text(json.dumps(raw))
     if damage == "foreign_model":
         raw["model_type"] = "gemma"
+        config_path.write_text(json.dumps(raw))
+    if damage == "gelu":
+        raw["hidden_act"] = "gelu"
+        config_path.write_text(json.dumps(raw))
+    if damage == "mlp_bias":
+        raw["mlp_bias"] = True
         config_path.write_text(json.dumps(raw))
     if damage == "missing_shard":
         (directory / "model-00002-of-00002.safetensors").unlink()

@@ -1,11 +1,13 @@
-"""Writing a model in Hugging Face layout, so the loader, the tests and the bench (which hands
-the same weights to `transformers`) share one definition of that layout."""
+"""Writing a model in Hugging Face layout or as a GGUF file, so the loaders, the tests and the
+bench (which hands the same weights to `transformers`) share one definition of each layout."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -64,3 +66,97 @@ def write_checkpoint(
     index = {"metadata": {}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return directory
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Tensor data already in a GGUF block type, for the types the gguf package can read but
+    not write (the k-quants): uint8 [rows, bytes per row]."""
+
+    blocks: np.ndarray
+    qtype: int
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """A byte-level BPE vocabulary (llama.cpp's "gpt2" tokenizer model) and chat template."""
+
+    tokens: list[str]
+    merges: list[str]
+    token_types: list[int]
+    bos_token_id: int
+    eos_token_id: int
+    chat_template: str | None = None
+    pre: str = "default"
+
+
+def permute_rotary_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order: per head, the two rotary halves interleaved."""
+    head_dim = rows.shape[0] // n_heads
+    per_head = rows.reshape(n_heads, 2, head_dim // 2, *rows.shape[1:])
+    return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(rows.shape))
+
+
+def write_gguf(
+    path: str | Path,
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor | Quantized],
+    types: dict[str, int] | None = None,
+    vocab: GGUFVocab | None = None,
+) -> Path:
+    """Save Hugging Face-named `tensors` as a llama-architecture GGUF file as llama.cpp's
+    converter would: GGUF names, q/k rows permuted, each tensor in `types[name]` (default F32)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    from nodeagent.engine.gguf_file import gguf_name
+
+    path = Path(path)
+    writer = GGUFWriter(str(path), "llama")
+    _gguf_metadata(writer, config)
+    if vocab is not None:
+        _gguf_vocab(writer, vocab)
+    for name, tensor in tensors.items():
+        if isinstance(tensor, Quantized):
+            writer.add_tensor(gguf_name(name), tensor.blocks, raw_dtype=GGMLQuantizationType(tensor.qtype))
+            continue
+        values = tensor.float().numpy()
+        if ".q_proj." in name or ".k_proj." in name:
+            values = permute_rotary_rows(values, config.n_heads if ".q_proj." in name else config.n_kv_heads)
+        qtype = GGMLQuantizationType((types or {}).get(name, GGMLQuantizationType.F32))
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), values)
+        else:
+            writer.add_tensor(gguf_name(name), quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_metadata(writer, c: ModelConfig) -> None:
+    writer.add_block_count(c.n_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+
+
+def _gguf_vocab(writer, vocab: GGUFVocab) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_merges(vocab.merges)
+    writer.add_token_types(vocab.token_types)
+    writer.add_bos_token_id(vocab.bos_token_id)
+    writer.add_eos_token_id(vocab.eos_token_id)
+    if vocab.chat_template is not None:
+        writer.add_chat_template(vocab.chat_template)

@@ -31,6 +31,12 @@ REQUIRED_KEYS = (
 )
 
 
+#: What a Llama-family MLP computes; other activations would give wrong outputs silently.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+#: Tensors a checkpoint may carry that change nothing: rotary tables the model recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     """Read the checkpoint at `path` onto `device`; raises ModelLoadError on any problem."""
     directory = Path(path)
@@ -40,9 +46,23 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     config = config_from_hf(raw, _generation_eos(directory))
     source = SafetensorsSource(directory)
     try:
-        return LlamaModel.from_source(config, source, dtype, device)
+        model = LlamaModel.from_source(config, source, dtype, device)
+        refuse_unused(str(directory), source.names(), source.used, config)
+        return model
     finally:
         source.close()
+
+
+def refuse_unused(where: str, names: set[str], used: set[str], config: ModelConfig) -> None:
+    """A tensor the model never read (an MLP bias, a norm this decoder lacks) means the
+    checkpoint computes something else: refuse it rather than serve wrong outputs."""
+    unused = {n for n in names - used if not n.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        unused.discard("lm_head.weight")
+    if unused:
+        shown = sorted(unused)
+        listed = ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else "")
+        raise ModelLoadError(f"{where}: tensors this engine does not use: {listed}")
 
 
 def config_from_hf(raw: dict, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
@@ -56,6 +76,7 @@ def config_from_hf(raw: dict, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
     missing = [key for key in REQUIRED_KEYS if key not in raw]
     if missing:
         raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
+    _check_mlp(raw)
     rope = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     n_heads = int(raw["num_attention_heads"])
@@ -75,22 +96,35 @@ def config_from_hf(raw: dict, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=tuple(sorted(set(_ids(raw.get("eos_token_id"))) | set(extra_eos))),
     )
-    _check_config(config)
+    check_config(config)
     return config
 
 
-def _check_config(c: ModelConfig) -> None:
+def _check_mlp(raw: dict) -> None:
+    """The MLP is SwiGLU without biases; a config asking for anything else is refused."""
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"config.json: hidden_act {act!r} is not supported (this engine's MLP is "
+            f"{'/'.join(SUPPORTED_ACTIVATIONS)}-gated)"
+        )
+    if raw.get("mlp_bias"):
+        raise ModelLoadError("config.json: mlp_bias true is not supported (MLP projections without biases only)")
+
+
+def check_config(c: ModelConfig, where: str = "config.json") -> None:
+    """Shape and rope checks every checkpoint format needs before tensors are read."""
     if c.n_heads % c.n_kv_heads:
         raise ModelLoadError(
-            f"config.json: num_attention_heads {c.n_heads} is not a multiple of "
+            f"{where}: num_attention_heads {c.n_heads} is not a multiple of "
             f"num_key_value_heads {c.n_kv_heads}"
         )
     try:
         inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
     except RopeScalingError as e:
-        raise ModelLoadError(f"config.json: {e}") from None
+        raise ModelLoadError(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"config.json: rope_scaling {c.rope_scaling!r} is incomplete: {e!r}") from None
+        raise ModelLoadError(f"{where}: rope_scaling {c.rope_scaling!r} is incomplete: {e!r}") from None
 
 
 def _ids(value) -> list[int]:
@@ -137,6 +171,7 @@ class SafetensorsSource:
         self._where = self._tensor_files(directory)
         self._open: dict[str, object] = {}
         self._progress = Progress(len(self._where))
+        self.used: set[str] = set()
 
     @staticmethod
     def _tensor_files(directory: Path) -> dict[str, str]:
@@ -158,15 +193,21 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> set[str]:
+        return set(self._where)
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor in memory of its own: safetensors hands out views of the file's map,
+        which would keep the whole file mapped for as long as the model lives."""
         if name not in self._where:
             raise ModelLoadError(f"checkpoint {self.directory} lacks tensor {name!r}")
         handle = self._handle(self._where[name])
         try:
-            tensor = handle.get_tensor(name)
+            tensor = handle.get_tensor(name).clone()
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise ModelLoadError(f"tensor {name!r} in {self._where[name]} cannot be read: {e}") from None
         self._progress.step()
+        self.used.add(name)
         return checked(name, tensor, shape)
 
     def _handle(self, file: str):

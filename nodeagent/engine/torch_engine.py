@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import queue
 import time
 from typing import Sequence
@@ -35,11 +34,13 @@ from nodeagent.daemon import (
 )
 from nodeagent.engine import DTYPES, ModelLoadError
 from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
+from nodeagent.engine.gguf_file import load_gguf
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.loader import load_model
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, TOKEN, Generation, Scheduler
+from nodeagent.models import AliasUnavailable, is_gguf, resolve
 from nodeagent.wal import GenParams
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class TorchDaemon(Daemon):
             if model == BUILTIN_NAME:
                 loaded, name = builtin_model(dtype, dev), BUILTIN_NAME
             else:
-                loaded, name = load_model(model, dtype, dev), os.path.basename(os.path.normpath(model))
+                loaded, name = _load_checkpoint(model, dtype, dev)
             return_freed_heap()
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
             return cls(loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks)
@@ -296,6 +297,16 @@ def _drain(out: queue.Queue, first: tuple) -> tuple[list[int], tuple | None]:
             message = out.get_nowait()
         except queue.Empty:
             return batch, None
+
+
+def _load_checkpoint(model: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
+    """An alias, a GGUF file or a checkpoint directory, and the name to advertise it under."""
+    try:
+        path, name = resolve(model)
+    except AliasUnavailable as e:
+        raise ModelLoadError(str(e)) from None
+    loaded = load_gguf(path, dtype, device) if is_gguf(path) else load_model(path, dtype, device)
+    return loaded, name
 
 
 def _mb(n_bytes: int) -> str:

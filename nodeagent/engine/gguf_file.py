@@ -1,0 +1,227 @@
+"""GGUF checkpoints (llama.cpp, Ollama): the config from the file's metadata and its tensors
+dequantized, renamed and reordered into the Hugging Face layout `LlamaModel.from_source` reads.
+
+The `gguf` package reads the file and dequantizes every tensor type it knows; each tensor is
+copied out of the file's memory map as it is converted, so once loading ends nothing stays
+mapped. llama.cpp stores Llama's q/k rows permuted for its rotary kernel; they are put back in
+Hugging Face's order here so one code path builds every model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nodeagent.engine import ModelLoadError
+from nodeagent.engine.loader import Progress, check_config, checked, refuse_unused
+from nodeagent.engine.model import LlamaModel, ModelConfig
+
+#: GGUF architectures whose tensors and maths are our decoder's, and whether llama.cpp's
+#: converter permuted their q/k rows (it does so for Llama only).
+ARCHITECTURES = {"llama": True, "qwen2": False}
+
+#: Hugging Face tensor name for each GGUF tensor name; `{i}` is the layer.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_GGUF = {hf: short for short, hf in _LAYER_NAMES.items()}
+_GLOBAL_GGUF = {hf: short for short, hf in _GLOBAL_NAMES.items()}
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """Read the GGUF file at `path` onto `device`; raises ModelLoadError on any problem."""
+    source = GGUFSource(Path(path))
+    try:
+        model = LlamaModel.from_source(source.config, source, dtype, device)
+        refuse_unused(str(path), source.names(), source.used, source.config)
+        return model
+    finally:
+        source.close()
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # a truncated or foreign file: the reader raises several kinds
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+class GGUFSource:
+    """The tensors of one GGUF file under their Hugging Face names, dequantized on demand."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._reader = _open_reader(path)
+        self._tensors = {_hf_name(t.name): t for t in self._reader.tensors}
+        self.arch = metadata(self._reader, "general.architecture", str)
+        if self.arch not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"{path}: GGUF architecture {self.arch!r} is not a decoder this engine runs "
+                f"(supported: {', '.join(ARCHITECTURES)})"
+            )
+        self.config = config_from_gguf(self._reader, self.arch, self._tensors)
+        self.used: set[str] = set()
+        self._progress = Progress(len(self._tensors))
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path} lacks tensor {gguf_name(name)!r}")
+        tensor = self._tensors[name]
+        values = _dequantized(self.path, tensor, self._reader.data)
+        values = checked(tensor.name, torch.from_numpy(values), shape)
+        if ARCHITECTURES[self.arch] and (".q_proj." in name or ".k_proj." in name):
+            heads = self.config.n_heads if ".q_proj." in name else self.config.n_kv_heads
+            values = unpermute_rotary_rows(values, heads)
+        self.used.add(name)
+        self._progress.step()
+        return values
+
+    def close(self) -> None:
+        self._tensors.clear()
+        self._reader = None
+        self._progress.done()
+
+
+def _dequantized(path: Path, tensor, mapped: np.ndarray) -> np.ndarray:
+    """The tensor as float32 [rows, columns] in memory of its own, never a view of the file."""
+    from gguf.quants import dequantize
+
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be "
+            f"dequantized (supported: the float and quantized types of the gguf package)"
+        ) from None
+    shape = [int(n) for n in reversed(tensor.shape)]
+    values = values.reshape(shape).astype(np.float32, copy=False)
+    if np.may_share_memory(values, mapped):
+        values = values.copy()
+    return values
+
+
+def unpermute_rotary_rows(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head it interleaves the two rotary halves,
+    (j, j + hd/2) side by side; Hugging Face keeps the halves apart."""
+    head_dim = rows.shape[0] // n_heads
+    per_head = rows.reshape(n_heads, head_dim // 2, 2, *rows.shape[1:])
+    return per_head.transpose(1, 2).reshape(rows.shape).contiguous()
+
+
+def _hf_name(name: str) -> str:
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    return _GLOBAL_NAMES.get(name, name)
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF name of a Hugging Face tensor name (for messages and the writer)."""
+    if hf_name.startswith("model.layers."):
+        layer, rest = hf_name[len("model.layers.") :].split(".", 1)
+        if rest in _LAYER_GGUF:
+            return f"blk.{layer}.{_LAYER_GGUF[rest]}"
+    return _GLOBAL_GGUF.get(hf_name, hf_name)
+
+
+def metadata(reader, key: str, kind: type, default=None):
+    """One metadata value, checked for its type; ModelLoadError when required and absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ModelLoadError(f"GGUF metadata lacks {key}")
+        return default
+    value = field.contents()
+    if kind is float and isinstance(value, int):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise ModelLoadError(f"GGUF metadata {key} is {value!r}, not {kind.__name__}")
+    return value
+
+
+def config_from_gguf(reader, arch: str, tensors: dict) -> ModelConfig:
+    """The engine's config from `{arch}.*` metadata; tied output when there is no output.weight."""
+
+    def get(key: str, kind: type, default=None):
+        return metadata(reader, f"{arch}.{key}", kind, default)
+
+    if get("expert_count", int, 0) > 0:
+        raise ModelLoadError(f"GGUF {arch} with experts (mixture of experts) is not supported")
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError("GGUF tensor rope_freqs.weight (per-frequency rope factors) is not supported")
+    hidden = get("embedding_length", int)
+    n_heads = get("attention.head_count", int)
+    head_dim = get("attention.key_length", int, hidden // n_heads)
+    if get("attention.value_length", int, head_dim) != head_dim:
+        raise ModelLoadError(f"GGUF {arch}: key and value head sizes differ")
+    if get("rope.dimension_count", int, head_dim) != head_dim:
+        raise ModelLoadError(f"GGUF {arch}: rotary positions on part of each head are not supported")
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError("GGUF file lacks tensor 'token_embd.weight'")
+    config = ModelConfig(
+        vocab_size=int(embed.shape[-1]),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length", int),
+        n_layers=get("block_count", int),
+        n_heads=n_heads,
+        n_kv_heads=get("attention.head_count_kv", int, n_heads),
+        head_dim=head_dim,
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-6),
+        rope_theta=get("rope.freq_base", float, 10000.0),
+        rope_scaling=_rope_scaling(get),
+        max_position_embeddings=get("context_length", int, 2048),
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        eos_token_ids=_end_tokens(reader),
+        sliding_window=get("attention.sliding_window", int, 0) or None,
+    )
+    check_config(config, f"GGUF {arch}")
+    return config
+
+
+def _rope_scaling(get) -> dict | None:
+    kind = get("rope.scaling.type", str, "none")
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": get("rope.scaling.factor", float, 1.0)}
+    original = get("rope.scaling.original_context_length", int, 0)
+    if original:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _end_tokens(reader) -> tuple[int, ...]:
+    """End of text and end of turn: a chat model stops at either."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return tuple(sorted({metadata(reader, key, int) for key in keys if key in reader.fields}))

@@ -1,0 +1,158 @@
+"""GGUF files the test writes with the `gguf` writer: our engine reads them as `transformers`
+does (`gguf_file=`), in every tensor type, and refuses what it cannot run by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gguf_fixtures import k_quant_tensors, mixed_types, train_vocab
+from nodeagent.daemon import GenExtras
+from nodeagent.engine import ModelLoadError
+from nodeagent.engine.builtin import random_tensors
+from nodeagent.engine.checkpoint import write_gguf
+from nodeagent.engine.gguf_file import load_gguf
+from nodeagent.engine.model import ModelConfig
+from nodeagent.engine.torch_engine import TorchDaemon
+from nodeagent.wal import GenParams
+
+torch.set_num_threads(1)
+transformers = pytest.importorskip("transformers")
+
+VOCAB = train_vocab()
+CONFIG = ModelConfig(
+    vocab_size=len(VOCAB.tokens),
+    hidden_size=256,
+    intermediate_size=512,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+    eos_token_ids=(VOCAB.eos_token_id,),
+)
+PROMPT = [5, 17, 33, 2, 90, 120, 7, 300, 64]
+NEW_TOKENS = 24
+CPU = torch.device("cpu")
+
+
+def tensors_of(kind: str, config: ModelConfig) -> tuple[dict, dict]:
+    tensors = random_tensors(config, seed=11, std=0.08)
+    if kind == "f32":
+        return tensors, {}
+    if kind == "mixed":
+        return tensors, mixed_types(config)
+    return k_quant_tensors(config, tensors, seed=5), {}
+
+
+def theirs(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def their_tokens(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens[: tokens.index(VOCAB.eos_token_id)] if VOCAB.eos_token_id in tokens else tokens
+
+
+def our_tokens(path, prompt: list[int], n: int) -> list[int]:
+    daemon = TorchDaemon.load(str(path), device="cpu", max_batch=1, kv_budget_mb=4)
+    try:
+        return daemon.generate_tokens_streaming(prompt, GenParams(), n, 0, GenExtras(), lambda b: True).tokens
+    finally:
+        daemon.close()
+
+
+@pytest.mark.parametrize("kind", ["f32", "mixed", "k_quants"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_matches_transformers_on_the_same_file(tmp_path, kind, tied):
+    """Logits within 1e-4 and the same greedy tokens: both dequantize with gguf, so quantized
+    types must agree as closely as float ones; the q/k un-permutation is checked by both."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
+    tensors, types = tensors_of(kind, config)
+    path = write_gguf(tmp_path / f"tiny-{kind}.gguf", config, tensors, types, VOCAB)
+    ours = load_gguf(path, torch.float32, CPU)
+    reference = theirs(path)
+    with torch.inference_mode():
+        x = ours.run_causal(ours.embed(torch.tensor([PROMPT])), 0, config.n_layers)
+        diff = (ours.logits(x[0]) - reference(torch.tensor([PROMPT])).logits[0].float()).abs().max()
+    assert float(diff) <= 1e-4
+    assert ours.config.tie_word_embeddings == tied
+    assert our_tokens(path, PROMPT, NEW_TOKENS) == their_tokens(reference, PROMPT, NEW_TOKENS)
+
+
+def test_the_file_is_unmapped_once_loaded(tmp_path):
+    path = write_gguf(tmp_path / "unmapped.gguf", CONFIG, random_tensors(CONFIG, seed=2), {}, VOCAB)
+    model = load_gguf(path, torch.float32, CPU)
+    with open("/proc/self/maps") as maps:
+        assert str(path) not in maps.read()
+    assert model.config.vocab_size == len(VOCAB.tokens)
+
+
+def test_config_and_end_tokens_come_from_the_metadata(tmp_path):
+    path = write_gguf(tmp_path / "meta.gguf", CONFIG, random_tensors(CONFIG, seed=2), {}, VOCAB)
+    config = load_gguf(path, torch.float32, CPU).config
+    assert config.rms_norm_eps == pytest.approx(CONFIG.rms_norm_eps)  # stored as float32
+    assert dataclasses.replace(config, rms_norm_eps=CONFIG.rms_norm_eps) == CONFIG
+
+
+def _rewrite(path, arch: str = "llama", drop: str | None = None, extra: str | None = None, as_i32: str | None = None):
+    """A copy of the GGUF at `path` with another architecture, a tensor less, one more, or one
+    stored as I32 (a type gguf cannot dequantize)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(str(path))
+    out = path.with_name("changed.gguf")
+    writer = GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("llama."):
+            value = field.contents()
+            name = key.replace("llama.", f"{arch}.", 1)
+            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(name, value)
+    for t in reader.tensors:
+        if t.name == as_i32:
+            writer.add_tensor(t.name, np.array(t.data).astype(np.int32), raw_dtype=Q.I32)
+        elif t.name != drop:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    if extra:
+        writer.add_tensor(extra, np.zeros(CONFIG.hidden_size, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"arch": "gemma"}, "GGUF architecture 'gemma' is not a decoder this engine runs"),
+        ({"drop": "blk.1.ffn_up.weight"}, "lacks tensor 'blk.1.ffn_up.weight'"),
+        ({"extra": "blk.0.ffn_down.bias"}, "tensors this engine does not use: blk.0.ffn_down.bias"),
+        ({"extra": "rope_freqs.weight"}, "rope_freqs.weight (per-frequency rope factors) is not supported"),
+        ({"as_i32": "blk.0.attn_norm.weight"}, "'blk.0.attn_norm.weight' has type I32, which cannot be dequantized"),
+    ],
+)
+def test_unsupported_gguf_is_a_load_error_naming_it(tmp_path, change, message):
+    path = write_gguf(tmp_path / "base.gguf", CONFIG, random_tensors(CONFIG, seed=2), {})
+    with pytest.raises(ModelLoadError) as caught:
+        load_gguf(_rewrite(path, **change), torch.float32, CPU)
+    assert message in str(caught.value)
+
+
+def test_a_file_that_is_no_gguf_is_a_load_error(tmp_path):
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="is not a readable GGUF file"):
+        load_gguf(path, torch.float32, CPU)
