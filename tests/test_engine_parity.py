@@ -25,6 +25,7 @@ from nodeagent.wal import GenParams
 torch.set_num_threads(1)
 
 NEW_TOKENS = 64
+WINDOW = 12
 TINY = ModelConfig(
     vocab_size=256,
     hidden_size=64,
@@ -57,6 +58,15 @@ def reference_greedy(tensors: dict, c: ModelConfig, prompt: list[int], n: int) -
     return tokens[len(prompt) :]
 
 
+def is_reference_greedy(tensors: dict, c: ModelConfig, prompt: list[int], tokens: list[int]) -> bool:
+    """Whether `tokens` are the reference's greedy continuation of `prompt`, checked in one
+    pass: the causal reference's logits at each position depend on nothing after it, so every
+    token must be the argmax of the logits before it."""
+    t = {k: v.double() for k, v in tensors.items()}
+    logits = reference_logits(t, c, list(prompt) + list(tokens[:-1]))
+    return logits[len(prompt) - 1 :].argmax(-1).tolist() == list(tokens)
+
+
 def reference_logits(t: dict, c: ModelConfig, tokens: list[int]) -> torch.Tensor:
     n, hd = len(tokens), c.head_dim
     x = t["model.embed_tokens.weight"][tokens]
@@ -78,6 +88,8 @@ def reference_logits(t: dict, c: ModelConfig, tokens: list[int]) -> torch.Tensor
         return out + t[name + ".bias"] if name + ".bias" in t else out
 
     future = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), diagonal=1)
+    if c.sliding_window is not None:  # a position sees itself and the window - 1 before it
+        future += torch.tril(torch.full((n, n), float("-inf"), dtype=torch.float64), diagonal=-c.sliding_window)
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
         h = norm(x, t[p + "input_layernorm.weight"])
@@ -104,6 +116,9 @@ VARIANTS = {
         dataclasses.replace(TINY, n_kv_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
         {},
     ),
+    # A window far shorter than the prompts and the 64 tokens after them, so most positions
+    # attend past it; the chunked-prefill variant (7) puts chunk edges inside the window.
+    "mistral-sliding-window": (dataclasses.replace(TINY, sliding_window=WINDOW), {}),
 }
 
 
@@ -135,6 +150,15 @@ def generate_all(daemon: TorchDaemon, prompts: list[list[int]]) -> list[list[int
     for thread in threads:
         thread.join(60)
     return results
+
+
+def test_the_sliding_window_changes_the_tokens_it_is_checked_on():
+    """Without this, the window variant could pass with the window ignored."""
+    config, _ = VARIANTS["mistral-sliding-window"]
+    tensors = random_tensors(config, seed=11, std=0.1)
+    full = dataclasses.replace(config, sliding_window=None)
+    windowed = [reference_greedy(tensors, config, p, NEW_TOKENS) for p in PROMPTS[4:6]]
+    assert windowed != [reference_greedy(tensors, full, p, NEW_TOKENS) for p in PROMPTS[4:6]]
 
 
 def test_one_lane_matches_reference(variant):

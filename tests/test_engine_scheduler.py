@@ -139,8 +139,8 @@ def test_a_raising_callback_frees_the_lane_and_propagates(make):
     assert decoded_until_freed(daemon) <= 2
 
 
-def test_generation_waits_in_its_queue_for_blocks_and_higher_class_goes_first(make):
-    daemon = make(max_batch=2, kv_blocks=16)  # one full-window generation takes the whole pool
+def test_generation_waits_in_its_queue_for_a_lane_and_higher_class_goes_first(make):
+    daemon = make(max_batch=1)
     order = []
 
     def first_token_logged(name):
@@ -152,25 +152,32 @@ def test_generation_waits_in_its_queue_for_blocks_and_higher_class_goes_first(ma
         return on_tokens
 
     hog_started = threading.Event()
-
-    def hog(batch):
-        hog_started.set()
-        return True
-
-    big_prompt = list(range(1, 101))
-    hog_thread = threading.Thread(target=run, args=(daemon, big_prompt), kwargs={"max_tokens": 157, "on_tokens": hog})
+    hog_thread = threading.Thread(target=run, args=(daemon,), kwargs={"max_tokens": 200, "on_tokens": lambda b: hog_started.set() or True})
     hog_thread.start()
     assert hog_started.wait(10)
     background = threading.Thread(target=run, args=(daemon,), kwargs={"qos": 3, "on_tokens": first_token_logged("background")})
     background.start()
     assert wait_until(lambda: daemon.sched_stats().queue_depth[3] == 1)
-    chat = threading.Thread(target=run, args=(daemon,), kwargs={"qos": 0, "max_tokens": 157, "prompt": big_prompt, "on_tokens": first_token_logged("chat")})
+    chat = threading.Thread(target=run, args=(daemon,), kwargs={"qos": 0, "on_tokens": first_token_logged("chat")})
     chat.start()
     assert wait_until(lambda: daemon.sched_stats().queue_depth == (1, 0, 0, 1))
     assert daemon.sched_stats().lanes_active == 1
     for thread in (hog_thread, chat, background):
         thread.join(30)
     assert order == ["chat", "background"]
+    assert wait_until(lambda: pool_empty(daemon))
+
+
+def test_a_prompt_the_pool_cannot_hold_beside_a_running_lane_waits_for_it(make):
+    daemon = make(max_batch=2, kv_blocks=16)  # the pool holds one full window
+    hog_started = threading.Event()
+    hog = background(lambda: run(daemon, list(range(1, 101)), max_tokens=120, on_tokens=lambda b: hog_started.set() or True), timeout=30)
+    assert hog_started.wait(10)
+    whole_window = background(lambda: run(daemon, [7] * 250, max_tokens=4), timeout=30)
+    assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 1)
+    assert daemon.sched_stats().lanes_active == 1
+    assert len(hog().tokens) == 120
+    assert len(whole_window().tokens) == 4
     assert wait_until(lambda: pool_empty(daemon))
 
 

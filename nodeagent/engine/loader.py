@@ -95,9 +95,31 @@ def config_from_hf(raw: dict, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=tuple(sorted(set(_ids(raw.get("eos_token_id"))) | set(extra_eos))),
+        sliding_window=_sliding_window(raw),
     )
     check_config(config)
     return config
+
+
+def _sliding_window(raw: dict) -> int | None:
+    """The attention window every layer uses, as Hugging Face reads the config: Mistral's
+    `sliding_window`; Qwen2's only with `use_sliding_window`, on layers from
+    `max_window_layers` on (or as `layer_types` lists them). Llama ignores the key. A window on
+    some layers only is refused rather than applied to all."""
+    window = raw.get("sliding_window")
+    model_type = raw.get("model_type", "llama")
+    if not window or model_type == "llama" or (model_type == "qwen2" and not raw.get("use_sliding_window")):
+        return None
+    n_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None and model_type == "qwen2":
+        first = int(raw.get("max_window_layers", 0))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if types is not None and set(types) != {"sliding_attention"}:
+        if "sliding_attention" not in types:
+            return None
+        raise ModelLoadError("config.json: a sliding window on some layers only is not supported")
+    return int(window)
 
 
 def _check_mlp(raw: dict) -> None:
