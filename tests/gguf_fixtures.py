@@ -29,6 +29,14 @@ K_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 K_SCALE = np.float16(2e-5)
 
 
+def config_for(size: int) -> ModelConfig:
+    """A minimal model around a vocabulary of `size` tokens (the codec tests need the file,
+    not the weights)."""
+    return ModelConfig(
+        vocab_size=size, hidden_size=32, intermediate_size=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16
+    )
+
+
 def train_vocab(size: int = 320) -> GGUFVocab:
     """A byte-level BPE trained with `tokenizers` and written the way llama.cpp stores it."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -83,3 +91,6 @@ def k_quant_tensors(config: ModelConfig, tensors: dict, seed: int) -> dict:
         out[up] = k_quant_blocks(kinds[i % 3], config.intermediate_size, config.hidden_size, seed + i)
         out[down] = k_quant_blocks(kinds[(i + 1) % 3], config.hidden_size, config.intermediate_size, seed - i)
     return out
+
+
+CONFIG_FOR_VOCAB = config_for(len(train_vocab().tokens))
