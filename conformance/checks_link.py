@@ -3,11 +3,13 @@ that breaks the protocol (linkf-wire.md §1, §4, §5; node-behaviour.md §1.1).
 
 from __future__ import annotations
 
+import time
+
 from conformance.raw import raw_frame
 from conformance.scenario import Context, Violation, check, scenario, skip
 from linkf.errors import LinkFError
 from proto.envelope import MAX_FRAME
-from proto.handshake import LinkRole
+from proto.handshake import Hello, LinkRole
 from proto.linkf import LinkFLimits, PolicyUpdateMsg, TelemetryMsg, msg_type
 
 LIMITS = LinkFLimits(max_frame=MAX_FRAME, transfer_window=8, max_transfer=1 << 26, transfer_budget=1 << 28)
@@ -90,10 +92,19 @@ def noise_wrong_token(ctx: Context) -> None:
 
 @scenario("noise-plaintext-refused")
 def noise_plaintext(ctx: Context) -> None:
-    """A keyed node answers no plaintext HELLO, even one carrying the right token."""
+    """A keyed node answers nothing to a plaintext HELLO, even one carrying the right token (it
+    reads it as a Noise message: it may wait for the rest until its handshake timeout)."""
     if not ctx.target.auth:
         skip("the node has no token")
-    _refused(ctx, "a plaintext HELLO", noise=False)
+    link = ctx.raw(noise=False)
+    hello = Hello(proto_versions=(2, 3), link_role=LinkRole.HeadDaemon, auth=ctx.target.auth)
+    link.send_msg(msg_type.HELLO, hello)
+    deadline = time.monotonic() + HANG_UP_S
+    try:
+        while time.monotonic() < deadline:
+            check(not link.read(deadline - time.monotonic()), "the node answered a plaintext HELLO in plaintext")
+    except LinkFError.Closed:
+        pass
 
 
 def _bad_input(ctx: Context, data: bytes, *, after_hello: bool = True) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from conformance.head import FleetHead, Generation, HeadTimeout
+from conformance.head import FleetHead, Generation, HeadTimeout, reason
 from conformance.reference import MOCK_LAYERS, mock_stage, mock_tokens
 from conformance.scenario import Context, Violation, check, scenario, skip
 from linkf.errors import LinkFError
@@ -29,23 +29,6 @@ LONG_WALL_MS = 30_000
 PROMPT_ANSWER_S = 3.0
 #: Slack for a frame in flight and one pass of the node's loop.
 GRACE_S = 0.5
-
-NAMES = {
-    finish.NONE: "NONE",
-    finish.EOS: "EOS",
-    finish.LENGTH: "LENGTH",
-    finish.GRAMMAR: "GRAMMAR",
-    finish.CANCELLED: "CANCELLED",
-    finish.ERROR: "ERROR",
-    finish.EXPIRED: "EXPIRED",
-    finish.REFUSED: "REFUSED",
-    finish.DECLINED: "DECLINED",
-}
-
-
-def reason(code: int | None) -> str:
-    return "no Finish" if code is None else NAMES.get(code, str(code))
-
 
 def ended(g: Generation, *wanted: int) -> None:
     check(g.finish in wanted, f"finished {reason(g.finish)}, not {' or '.join(reason(w) for w in wanted)}")

@@ -25,6 +25,7 @@ from conformance.wal import WalStub
 from linkf.driver import Endpoint, Liveness
 from linkf.errors import LinkFError
 from linkf.head import HeadSession
+from nodeagent import finish
 from nodeagent.fleet import encode_params, encode_tokens
 from nodeagent.wal import GenParams
 from proto.envelope import Frame
@@ -50,6 +51,25 @@ LEASE = Lease(duration_ms=120_000, renew_by_ms=90_000)
 TIMEOUT = 10.0
 #: The head's KEEPALIVE interval on a version-3 link, as the Rust head's.
 HEARTBEAT = 5.0
+
+
+#: Finish reasons as the kit prints them.
+NAMES = {
+    finish.NONE: "NONE",
+    finish.EOS: "EOS",
+    finish.LENGTH: "LENGTH",
+    finish.GRAMMAR: "GRAMMAR",
+    finish.CANCELLED: "CANCELLED",
+    finish.ERROR: "ERROR",
+    finish.EXPIRED: "EXPIRED",
+    finish.REFUSED: "REFUSED",
+    finish.DECLINED: "DECLINED",
+}
+
+
+def reason(code: int | None) -> str:
+    """A finish code's name, for a person."""
+    return "no Finish" if code is None else NAMES.get(code, str(code))
 
 
 class HeadTimeout(Exception):
