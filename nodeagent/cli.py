@@ -450,13 +450,13 @@ def run(opts: Options) -> int:
 
         node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
         node.catch_signals()
+        node.observer.node_state("serving")  # before the line that says so: /health agrees with it
         say(
             f"node '{node.identity}' serving '{node.model_name}' on "
             f"{show_addr(listener.getsockname())} (Link F/TCP)"
         )
         if token:
             say("the link is encrypted and both ends are checked against the token")
-        node.observer.node_state("serving")
         return node.serve_until_signalled(listener)
     finally:
         listener.close()

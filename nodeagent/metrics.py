@@ -155,8 +155,6 @@ class _Timing(GenerationWatch):
         m = self.metrics
         if self.sent == 0:
             m.ttft.observe(now - self.started)
-            if count > 1:
-                m.itl.observe(0.0)
         else:
             m.itl.observe((now - self.last) / count)
         self.sent += count

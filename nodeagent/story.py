@@ -56,10 +56,13 @@ class StoryLog(NodeObserver):
             self._running += 1
         return _Finishing(self, session_id, generation_id)
 
-    def _ended(self, tokens: int) -> None:
+    def _sent(self, tokens: int) -> None:
+        with self._lock:
+            self._tokens += tokens
+
+    def _ended(self) -> None:
         with self._lock:
             self._running -= 1
-            self._tokens += tokens
 
     def _tick(self) -> None:
         """The status line, while generations run: what a glance at a dashboard would give."""
@@ -77,7 +80,7 @@ class StoryLog(NodeObserver):
                         lanes=f"{stats.lanes_active}/{self.max_lanes}",
                         queued=sum(stats.queue_depth),
                         kv_blocks=f"{stats.pool_blocks_used}/{stats.pool_blocks_total}",
-                        finished_tokens_per_s=round((tokens - last_tokens) / (now - last_at), 1),
+                        tokens_per_s=round((tokens - last_tokens) / (now - last_at), 1),
                     ),
                 )
             last_tokens, last_at = tokens, now
@@ -94,11 +97,12 @@ class _Finishing(GenerationWatch):
 
     def tokens_sent(self, count: int) -> None:
         self.tokens += count
+        self.story._sent(count)
 
     def dropped(self) -> None:
         if self.running:
             self.running = False
-            self.story._ended(self.tokens)
+            self.story._ended()
 
     def finished(self, reason: int) -> None:
         seconds = time.monotonic() - self.started

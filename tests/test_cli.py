@@ -290,3 +290,14 @@ def test_a_log_line_looks_like_tracing_fmt():
     assert re.fullmatch(
         r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z  WARN nodeagent::agent: dropped it session=3 epoch=7", line
     ), line
+
+
+def test_cuda_n_past_the_devices_there_is_a_load_error_naming_them(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from nodeagent.engine import ModelLoadError, torch_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert torch_engine._resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ModelLoadError, match=r"'cuda:2' asked for, but this torch sees 2 CUDA device\(s\)"):
+        torch_engine._resolve_device("cuda:2")

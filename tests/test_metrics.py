@@ -16,6 +16,7 @@ from conformance.raw import hung_up, raw_connect
 from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
 from nodeagent import finish
+from polling import wait_until
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock", "--metrics-listen", "127.0.0.1:0")
 METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health$"
@@ -106,7 +107,8 @@ def test_refused_handshakes_are_counted_by_reason(noded, tmp_path):
         pass
     node.wait_line("its fleet token differs")
     with FleetHead.connect(node.addr, auth=b"right") as head:
-        assert value(scrape(addr), "superfluid_node_connections_open") == 1
+        # The node counts the connection once its HELLO_ACK has left: a moment after the head has it.
+        assert wait_until(lambda: value(scrape(addr), "superfluid_node_connections_open") == 1)
         head.assign(5)
     node.wait_line("head connection closed")
     samples = scrape(addr)

@@ -357,7 +357,13 @@ def _resolve_device(device: str) -> torch.device:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} asked for, but this torch sees no CUDA device")
-        return torch.device(device)
+        dev = torch.device(device)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {device!r} asked for, but this torch sees {torch.cuda.device_count()} CUDA "
+                "device(s), numbered from 0"
+            )
+        return dev
     raise ModelLoadError(f"unknown device {device!r}; expected auto, cpu or cuda")
 
 

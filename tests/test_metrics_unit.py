@@ -1,0 +1,91 @@
+"""NodeMetrics, its HTTP server and StoryLog in process: health codes, the exposition, the
+busy line (issue 12). The process tests are in test_metrics.py."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+
+from nodeagent import finish
+from nodeagent.engine.mock import MockDaemon
+from nodeagent.metrics import MetricsServer, NodeMetrics
+from nodeagent.observe import Observers
+from nodeagent.story import StoryLog
+from polling import wait_until
+
+
+@pytest.fixture
+def served():
+    metrics = NodeMetrics("n1", "9.9.9")
+    server = MetricsServer(metrics, socket.AF_INET, ("127.0.0.1", 0))
+    server.start()
+    yield metrics, "127.0.0.1:%d" % server.address()[1]
+    server.close()
+
+
+def get(addr: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_health_follows_the_node_state(served):
+    metrics, addr = served
+    assert get(addr, "/health") == (503, "loading\n")
+    metrics.node_state("serving")
+    assert get(addr, "/health") == (200, "serving\n")
+    metrics.node_state("draining")
+    assert get(addr, "/health") == (503, "draining\n")
+    assert get(addr, "/nope")[0] == 404
+
+
+def test_engine_figures_appear_once_an_engine_is_served(served):
+    metrics, addr = served
+    assert "superfluid_node_kv_blocks_total" not in get(addr, "/metrics")[1]
+    metrics.serve_engine(MockDaemon(max_lanes=3), 3, "mock")
+    text = get(addr, "/metrics")[1]
+    assert "superfluid_node_kv_blocks_total 1024.0" in text
+    assert "superfluid_node_lanes_max 3.0" in text
+    assert 'superfluid_node_generations_queued{qos_class="background"} 0.0' in text
+    assert 'superfluid_node_info{identity="n1",model="mock",version="9.9.9"} 1.0' in text
+    assert "_created" not in text
+
+
+def test_a_generation_dropped_without_a_finish_stops_counting_as_running():
+    metrics = NodeMetrics("n1", "1")
+    watch = Observers(metrics).generation_started(1, 1, 10)
+    watch.tokens_sent(3)
+    watch.tokens_sent(2)
+    watch.dropped()
+    watch.dropped()
+    assert metrics.running._value.get() == 0
+    assert metrics.generation_tokens._value.get() == 5
+    assert metrics.itl._sum.get() >= 0 and metrics.ttft._sum.get() >= 0
+    done = Observers(metrics).generation_started(1, 2, 4)
+    done.finished(finish.EOS)
+    done.dropped()  # the connection lets go of it after its Finish: counted once
+    assert metrics.running._value.get() == 0
+    assert metrics.finished.labels("eos")._value.get() == 1
+
+
+def test_the_busy_line_comes_while_generations_run(caplog):
+    caplog.set_level(logging.INFO, logger="nodeagent.story")
+    story = StoryLog(MockDaemon(), 8, status_every_s=0.05)
+    try:
+        watch = story.generation_started(1, 1, 5)
+        watch.tokens_sent(4)
+        assert wait_until(lambda: any(r.getMessage() == "busy" for r in caplog.records), 5)
+        busy = next(r for r in caplog.records if r.getMessage() == "busy")
+        assert busy.fields["generations"] == 1 and busy.fields["lanes"] == "0/8"
+        caplog.clear()
+        watch.finished(finish.LENGTH)
+        finished = [r for r in caplog.records if r.getMessage() == "generation finished"]
+        assert finished[0].fields["tokens"] == 4 and finished[0].fields["reason"] == "length"
+    finally:
+        story.close()
