@@ -2,10 +2,10 @@
 node keeps serving every other connection and the sessions they hold."""
 
 import pytest
-from headkit import Head, hung_up, mock_tokens, raw_connect, raw_frame
 
-from conformance.raw import RawLink
-
+from conformance.head import FleetHead
+from conformance.raw import RawLink, hung_up, raw_connect, raw_frame
+from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
 from nodeagent.daemon import DaemonError
 from nodeagent.fleet import encode_params
@@ -46,7 +46,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_ends_that_connection_only(node, case):
     data, after_hello, error, phrase = CASES[case]
-    with Head.connect(node.addr) as good:
+    with FleetHead.connect(node.addr) as good:
         good.assign(1, GenParams())
         good.append(1, PROMPT)
         if after_hello:
@@ -67,7 +67,7 @@ def test_bad_input_ends_that_connection_only(node, case):
 
 
 def test_unknown_droppable_frames_and_unhandled_types_are_skipped(node):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.endpoint.send(0x8003)  # droppable, and unknown to this node
         head.endpoint.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"span"))
         head.endpoint.send(msg_type.POLICY_UPDATE, PolicyUpdateMsg(policy_version=3, envelope=b"x"))

@@ -5,8 +5,9 @@ import logging
 import time
 
 import pytest
-from headkit import Head, mock_tokens
 
+from conformance.head import FleetHead
+from conformance.reference import mock_tokens
 from nodeagent import finish
 from nodeagent.agent import FINISH_DECLINED, FINISH_EXPIRED, FINISH_REFUSED
 from nodeagent.daemon import ConstraintError, GenerationError
@@ -29,13 +30,13 @@ class NoGrammar(MockDaemon):
         raise ConstraintError("this engine applies no grammar")
 
 
-def placed(head: Head, session_id: int, prompt=PROMPT) -> int:
+def placed(head: FleetHead, session_id: int, prompt=PROMPT) -> int:
     epoch = head.assign(session_id, GenParams())
     head.append(session_id, prompt)
     return epoch
 
 
-def by_hand(head: Head, session_id: int, epoch: int, max_new: int = 4) -> GenerateReqMsg:
+def by_hand(head: FleetHead, session_id: int, epoch: int, max_new: int = 4) -> GenerateReqMsg:
     """A GENERATE_REQ the head's own bookkeeping would not send."""
     req = GenerateReqMsg(
         command_id=head.session.next_command(session_id),
@@ -48,7 +49,7 @@ def by_hand(head: Head, session_id: int, epoch: int, max_new: int = 4) -> Genera
     return req
 
 
-def assert_declined(head: Head, req: GenerateReqMsg) -> None:
+def assert_declined(head: FleetHead, req: GenerateReqMsg) -> None:
     g = head.collect(req, 5.0)
     assert g.tokens == []
     (ev,) = [e for e in g.events if isinstance(e.payload, TokenEventPayload.Finish)]
@@ -57,7 +58,7 @@ def assert_declined(head: Head, req: GenerateReqMsg) -> None:
 
 def test_unknown_sessions_and_superseded_epochs_are_declined(node, caplog):
     caplog.set_level(logging.WARNING, logger="nodeagent.agent")
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert_declined(head, by_hand(head, 404, epoch=1))
         old = placed(head, 1)
         new = head.assign(1, GenParams())
@@ -70,7 +71,7 @@ def test_unknown_sessions_and_superseded_epochs_are_declined(node, caplog):
 
 
 def test_a_replayed_generate_is_declined_and_does_not_restart_the_stream(node):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         req = head.request(1, 8)
         g = head.collect(req)
@@ -86,7 +87,7 @@ def test_a_replayed_generate_is_declined_and_does_not_restart_the_stream(node):
 
 def test_a_second_generate_on_a_busy_connection_is_declined_without_consuming_it(start_node):
     node = start_node(MockDaemon(token_delay_s=0.01))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         placed(head, 2, [7, 8, 9])
         first = head.request(1, 40)
@@ -106,7 +107,7 @@ def test_a_second_generate_on_a_busy_connection_is_declined_without_consuming_it
 def test_a_context_past_the_window_is_refused_and_the_connection_serves_on(start_node, caplog):
     caplog.set_level(logging.WARNING, logger="nodeagent.agent")
     node = start_node(MockDaemon(max_context=64))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1, list(range(65)))
         g = head.generate(1, 8)
         assert (g.finish, g.tokens) == (FINISH_REFUSED, [])
@@ -119,13 +120,13 @@ def test_a_context_past_the_window_is_refused_and_the_connection_serves_on(start
 
 def test_a_constraint_the_engine_cannot_apply_is_refused(start_node):
     node = start_node(NoGrammar())
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         assert head.generate(1, 4).finish == FINISH_REFUSED
 
 
 def test_any_other_daemon_error_ends_that_connection_only(node):
-    with Head.connect(node.addr) as good, Head.connect(node.addr) as bad:
+    with FleetHead.connect(node.addr) as good, FleetHead.connect(node.addr) as bad:
         placed(good, 1)
         bad.assign(2, GenParams())  # no content: the mock cannot generate
         bad.request(2, 4)
@@ -138,7 +139,7 @@ def test_any_other_daemon_error_ends_that_connection_only(node):
 
 
 def test_tokens_are_coalesced_by_count(node):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         g = head.generate(1, 40)
     assert g.tokens == mock_tokens(PROMPT, 40)
@@ -150,7 +151,7 @@ def test_tokens_are_coalesced_by_count(node):
 
 def test_slow_tokens_leave_every_200_ms(start_node):
     node = start_node(MockDaemon(token_delay_s=0.05))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         g = head.generate(1, 12)
         token_frames = [r.at for r in head.of_type(msg_type.TOKEN_EVENTS)]
@@ -163,7 +164,7 @@ def test_slow_tokens_leave_every_200_ms(start_node):
 def test_cancel_stops_the_generation_and_finishes_cancelled(start_node):
     daemon = MockDaemon(token_delay_s=0.01)
     node = start_node(daemon)
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         req = head.request(1, 1000)
         g = head.generations
@@ -187,7 +188,7 @@ def test_cancel_stops_the_generation_and_finishes_cancelled(start_node):
 )
 def test_finish_reasons(start_node, daemon, max_new, wall_ms, reason):
     node = start_node(daemon())
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         g = head.generate(1, max_new, wall_ms)
     assert g.finish == reason
@@ -199,7 +200,7 @@ def test_finish_reasons(start_node, daemon, max_new, wall_ms, reason):
 def test_closing_the_connection_stops_its_generation(start_node):
     daemon = MockDaemon(token_delay_s=0.01)
     node = start_node(daemon)
-    head = Head.connect(node.addr)
+    head = FleetHead.connect(node.addr)
     placed(head, 1)
     req = head.request(1, 1000)
     head.until(lambda: (1, req.generation_id) in head.generations, 5.0, "the first tokens")
@@ -223,7 +224,7 @@ class Crashes(MockDaemon):
 
 def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node, caplog):
     node = start_node(Crashes())
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1)
         head.request(1, 4)
         assert head.closed_by_node(3.0)
@@ -238,7 +239,7 @@ def test_a_cancel_reaches_a_generation_still_waiting_for_a_lane_at_once(start_no
     generation gets its Finish now, not when the lane frees."""
     daemon = MockDaemon(max_lanes=1, token_delay_s=0.01)
     node = start_node(daemon)
-    with Head.connect(node.addr) as busy, Head.connect(node.addr) as waiting:
+    with FleetHead.connect(node.addr) as busy, FleetHead.connect(node.addr) as waiting:
         placed(busy, 1)
         long_run = busy.request(1, 1000)
         busy.until(lambda: daemon.sched_stats().lanes_active == 1, 5.0, "the lane taken")

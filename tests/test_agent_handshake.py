@@ -5,8 +5,10 @@ import logging
 import time
 
 import pytest
-from headkit import LEASE, Head, hung_up, mock_tokens, raw_connect
 
+from conformance.head import LEASE, FleetHead
+from conformance.raw import hung_up, raw_connect
+from conformance.reference import mock_tokens
 from linkf.driver import Endpoint
 from linkf.errors import LinkFError
 from nodeagent.agent import FINISH_DECLINED
@@ -21,7 +23,7 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout_while_others_are_s
     node = start_node(handshake_s=0.3)
     silent = raw_connect(node.addr)
     opened = time.monotonic()
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(1, GenParams())
         head.append(1, [1, 2, 3])
         assert head.generate(1, 4).tokens == mock_tokens([1, 2, 3], 4), "served past the silent peer"
@@ -37,7 +39,7 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout_while_others_are_s
     [((2, 3), 3), ((2, 2), 2), ((3, 3), 3), ((1, 2), 2), ((3, 9), 3)],
 )
 def test_the_node_answers_with_the_highest_common_version_and_frames_carry_it(node, offered, chosen):
-    with Head.connect(node.addr, versions=offered) as head:
+    with FleetHead.connect(node.addr, versions=offered) as head:
         assert head.node.chosen_version == chosen
         assert head.endpoint.version() == chosen
         head.assign(1, GenParams())
@@ -57,7 +59,7 @@ def test_the_node_answers_with_the_highest_common_version_and_frames_carry_it(no
 )
 def test_a_hello_the_node_cannot_serve_ends_the_connection_with_the_reason(node, versions, role, reason):
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, versions=versions, role=role, timeout=2.0)
+        FleetHead.connect(node.addr, versions=versions, role=role, timeout=2.0)
     outcome = node.outcome()
     assert isinstance(outcome, LinkFError.Protocol) and outcome.reason == reason
 
@@ -65,19 +67,19 @@ def test_a_hello_the_node_cannot_serve_ends_the_connection_with_the_reason(node,
 def test_a_hello_with_another_token_is_unauthorized(start_node):
     node = start_node(auth=b"right", noise=False)
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, auth=b"", noise=False, timeout=2.0)
+        FleetHead.connect(node.addr, auth=b"", noise=False, timeout=2.0)
     assert isinstance(node.outcome(), LinkFError.Unauthorized)
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, auth=b"wrong", noise=False, timeout=2.0)
+        FleetHead.connect(node.addr, auth=b"wrong", noise=False, timeout=2.0)
     assert isinstance(node.outcome(), LinkFError.Unauthorized)
-    with Head.connect(node.addr, auth=b"right", noise=False) as head:
+    with FleetHead.connect(node.addr, auth=b"right", noise=False) as head:
         assert head.node.node_identity == "node-a"
 
 
 def test_hello_ack_says_who_the_node_is_and_what_it_holds(start_node):
     node = start_node(identity="node-z", max_lanes=6)
     started = time.monotonic()
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         ack = head.node
         assert ack.node_identity == "node-z"
         assert ack.loadable_models == ["mock"]
@@ -96,12 +98,12 @@ def test_hello_ack_says_who_the_node_is_and_what_it_holds(start_node):
         head.assign(3, GenParams())
         head.append(3, [1])
         head.generate(3, 1)
-    with Head.connect(node.addr) as again:
+    with FleetHead.connect(node.addr) as again:
         assert again.node.capacity.active_sessions == 1
 
 
 def test_a_request_for_a_session_before_any_assign_is_declined_not_dropped(node):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.session.assign_session(5, 1, LEASE, 0, "mock")  # the node never hears of it
         g = head.generate(5, 4)
         assert g.finish == FINISH_DECLINED and g.tokens == []

@@ -5,8 +5,8 @@ both ways and a silent head is dropped by the endpoint's silence limit."""
 import logging
 import time
 
-from headkit import Head, mock_tokens
-
+from conformance.head import FleetHead
+from conformance.reference import mock_tokens
 from nodeagent import finish
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
@@ -18,7 +18,7 @@ IDLE = 0.6
 def test_v2_an_idle_connection_is_dropped_but_never_one_that_generates(start_node, caplog):
     caplog.set_level(logging.INFO, logger="nodeagent.agent")
     node = start_node(MockDaemon(token_delay_s=0.02), idle_s=IDLE)
-    with Head.connect(node.addr, versions=(2, 2)) as idle, Head.connect(node.addr, versions=(2, 2)) as busy:
+    with FleetHead.connect(node.addr, versions=(2, 2)) as idle, FleetHead.connect(node.addr, versions=(2, 2)) as busy:
         opened = time.monotonic()
         busy.assign(1, GenParams())
         busy.append(1, [1, 2])
@@ -37,7 +37,7 @@ def test_v2_an_idle_connection_is_dropped_but_never_one_that_generates(start_nod
 def test_v3_heartbeats_keep_a_link_and_silence_ends_it(start_node, caplog):
     caplog.set_level(logging.WARNING, logger="nodeagent.agent")
     node = start_node(idle_s=IDLE)
-    with Head.connect(node.addr, heartbeat=IDLE / 3) as tended, Head.connect(node.addr, heartbeat=60.0) as mute:
+    with FleetHead.connect(node.addr, heartbeat=IDLE / 3) as tended, FleetHead.connect(node.addr, heartbeat=60.0) as mute:
         assert tended.endpoint.version() == 3
         deadline = time.monotonic() + 3 * IDLE
         while time.monotonic() < deadline:

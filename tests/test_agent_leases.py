@@ -5,8 +5,8 @@ goes silent."""
 import logging
 import time
 
-from headkit import Head, mock_tokens
-
+from conformance.head import FleetHead
+from conformance.reference import mock_tokens
 from nodeagent import finish
 from nodeagent.agent import FINISH_DECLINED
 from nodeagent.engine.mock import MockDaemon
@@ -14,11 +14,11 @@ from nodeagent.wal import GenParams
 from proto.linkf import Lease, LeaseGrantMsg, msg_type
 
 
-def renewals(head: Head, since: float = 0.0) -> list[tuple[float, int]]:
+def renewals(head: FleetHead, since: float = 0.0) -> list[tuple[float, int]]:
     return [(r.at, r.msg.session_id) for r in head.of_type(msg_type.LEASE_RENEW) if r.at >= since]
 
 
-def pump_both(a: Head, b: Head, seconds: float) -> None:
+def pump_both(a: FleetHead, b: FleetHead, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         a.pump()
@@ -27,7 +27,7 @@ def pump_both(a: Head, b: Head, seconds: float) -> None:
 
 def test_renewals_go_to_the_owner_and_are_asked_again_each_second_until_granted(node):
     short = Lease(duration_ms=60_000, renew_by_ms=200)
-    with Head.connect(node.addr) as a, Head.connect(node.addr) as b:
+    with FleetHead.connect(node.addr) as a, FleetHead.connect(node.addr) as b:
         a.grant_renewals = False
         a.assign(1, GenParams(), short)
         b.assign(2, GenParams(), short)
@@ -62,7 +62,7 @@ def test_an_expired_lease_fences_the_session_which_goes_silent(start_node, caplo
     caplog.set_level(logging.WARNING, logger="nodeagent.agent")
     daemon = MockDaemon(token_delay_s=0.02)
     node = start_node(daemon)
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.grant_renewals = False
         head.assign(1, GenParams(), Lease(duration_ms=500, renew_by_ms=100))
         head.append(1, [1, 2, 3])
@@ -99,7 +99,7 @@ def test_an_expired_lease_fences_the_session_which_goes_silent(start_node, caplo
 def test_a_fenced_generation_that_has_sent_nothing_is_dropped_at_once(start_node):
     daemon = MockDaemon(max_lanes=1, token_delay_s=0.01)
     node = start_node(daemon)
-    with Head.connect(node.addr) as a, Head.connect(node.addr) as b:
+    with FleetHead.connect(node.addr) as a, FleetHead.connect(node.addr) as b:
         a.assign(1, GenParams())
         a.append(1, [1])
         holding = a.request(1, 1000)  # takes the only lane

@@ -2,8 +2,8 @@
 holds, sends again what the head never acknowledged, and the held sessions become the new
 connection's own (their renewals go there)."""
 
-from headkit import Head, mock_tokens
-
+from conformance.head import FleetHead
+from conformance.reference import mock_tokens
 from nodeagent import finish
 from nodeagent.wal import GenParams
 from proto.linkf import (
@@ -16,7 +16,7 @@ from proto.linkf import (
 )
 
 
-def committed_tokens(head: Head, session_id: int) -> list[int]:
+def committed_tokens(head: FleetHead, session_id: int) -> list[int]:
     return [
         t
         for c in head.wal.session_events(session_id)
@@ -27,7 +27,7 @@ def committed_tokens(head: Head, session_id: int) -> list[int]:
 
 def test_events_the_head_lost_are_sent_again_after_a_reconnect(node):
     prompt = list(range(300, 340))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(11, GenParams(), Lease(duration_ms=120_000, renew_by_ms=1_500))
         head.append(11, prompt)
         head.lose_events = True
@@ -54,7 +54,7 @@ def test_events_the_head_lost_are_sent_again_after_a_reconnect(node):
 
 
 def test_acknowledged_events_are_not_sent_again(node):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(3, GenParams())
         head.append(3, [1, 2, 3])
         head.request(3, 20)
@@ -67,7 +67,7 @@ def test_acknowledged_events_are_not_sent_again(node):
 
 
 def test_a_session_the_node_never_held_is_reported_so(node):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         unknown = SessionReconcileState(
             session_id=777,
             epoch=5,

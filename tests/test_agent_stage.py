@@ -5,8 +5,9 @@ import threading
 import time
 
 import pytest
-from headkit import Head, mock_stage, mock_tokens
 
+from conformance.head import FleetHead
+from conformance.reference import mock_stage, mock_tokens
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
 
@@ -28,7 +29,7 @@ class SlowStage(MockDaemon):
 
 @pytest.mark.parametrize("split", [0, 1, 12, 23, 24])
 def test_two_stages_give_the_token_of_one(node, split):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         whole = head.stage(TOKENS, 0, 24)
         assert (whole.hidden, whole.token) == (None, mock_stage(TOKENS, 0, 24))
         first = head.stage(TOKENS, 0, split)
@@ -42,7 +43,7 @@ def test_two_stages_give_the_token_of_one(node, split):
 
 @pytest.mark.parametrize("start, end, hidden", [(3, 2, None), (0, 25, None), (5, 24, b"short")])
 def test_a_stage_the_engine_cannot_run_is_answered_empty(node, start, end, hidden):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         answer = head.stage(TOKENS, start, end, hidden)
         assert (answer.hidden, answer.token) == (None, None)
         assert head.stage(TOKENS, 0, 24).token == mock_stage(TOKENS, 0, 24), "the connection serves on"
@@ -51,7 +52,7 @@ def test_a_stage_the_engine_cannot_run_is_answered_empty(node, start, end, hidde
 def test_a_second_stage_while_one_runs_is_answered_empty_at_once(start_node):
     daemon = SlowStage(5.0)
     node = start_node(daemon)
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(1, GenParams())
         head.append(1, TOKENS)
         first = head.send_stage(TOKENS, 0, 24)
@@ -80,7 +81,7 @@ class CrashingStage(MockDaemon):
 
 def test_a_stage_whose_worker_crashes_is_still_answered(start_node, caplog):
     node = start_node(CrashingStage())
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         answer = head.stage(TOKENS, 0, 24)
         assert (answer.hidden, answer.token) == (None, None), "the head has no stage timeout: silence wedges it"
         head.assign(1, GenParams())

@@ -4,8 +4,8 @@ decode/prefill rates that are an EWMA over busy time only."""
 import time
 from dataclasses import dataclass
 
-from headkit import Head, mock_tokens
-
+from conformance.head import FleetHead
+from conformance.reference import mock_tokens
 from nodeagent.agent import NodeAgent
 from nodeagent.daemon import SchedStats
 from nodeagent.engine.mock import MockDaemon
@@ -16,7 +16,7 @@ from proto.linkf import msg_type
 def test_node_status_every_two_seconds_with_busy_time_rates(start_node):
     daemon = MockDaemon(token_delay_s=0.01)
     node = start_node(daemon, max_lanes=3)
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(1, GenParams())
         head.append(1, list(range(32)))
         assert head.generate(1, 50).tokens == mock_tokens(list(range(32)), 50)

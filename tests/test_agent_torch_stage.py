@@ -5,8 +5,8 @@ little-endian float32 `[positions, hidden]` (README, protocol notes)."""
 import numpy as np
 import pytest
 import torch
-from headkit import Head
 
+from conformance.head import FleetHead
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.builtin import random_model
 from nodeagent.engine.model import ModelConfig
@@ -37,7 +37,7 @@ def torch_node(start_node):
 
 def test_every_split_over_the_wire_gives_the_token_of_the_whole(torch_node):
     n = TINY.n_layers
-    with Head.connect(torch_node.addr) as head:
+    with FleetHead.connect(torch_node.addr) as head:
         whole = head.stage(PROMPT, 0, n)
         assert whole.hidden is None and whole.token is not None
         for k in range(n):
@@ -50,7 +50,7 @@ def test_every_split_over_the_wire_gives_the_token_of_the_whole(torch_node):
 
 def test_the_wire_carries_the_engine_s_hidden_state_and_greedy_token(torch_node):
     daemon = torch_node.daemon
-    with Head.connect(torch_node.addr) as head:
+    with FleetHead.connect(torch_node.addr) as head:
         wired = np.frombuffer(head.stage(PROMPT, 0, 2).hidden, dtype="<f4").reshape(len(PROMPT), TINY.hidden_size)
         local = np.frombuffer(daemon.forward_stage(PROMPT, 0, 2, None).data, dtype="<f4")
         assert np.array_equal(wired.reshape(-1), local)
@@ -72,7 +72,7 @@ def test_the_wire_carries_the_engine_s_hidden_state_and_greedy_token(torch_node)
     ],
 )
 def test_a_stage_the_torch_engine_cannot_run_is_answered_empty(torch_node, tokens, start, end, hidden):
-    with Head.connect(torch_node.addr) as head:
+    with FleetHead.connect(torch_node.addr) as head:
         answer = head.stage(tokens, start, end, hidden)
         assert (answer.hidden, answer.token) == (None, None)
         assert head.stage(PROMPT, 0, TINY.n_layers).token is not None, "the connection serves on"

@@ -4,8 +4,8 @@ once, every output token-exact, and nothing left running afterwards."""
 import threading
 import time
 
-from headkit import LEASE, Head, mock_tokens
-
+from conformance.head import LEASE, FleetHead
+from conformance.reference import mock_tokens
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
 
@@ -36,7 +36,7 @@ def one_generation(addr: str, session: int, prompt: list[int], max_new: int, con
     def job(barrier: threading.Barrier) -> list[int]:
         if not connect_first:
             barrier.wait(5)
-        with Head.connect(addr) as head:
+        with FleetHead.connect(addr) as head:
             head.assign(session, GenParams())
             head.append(session, prompt)
             if connect_first:
@@ -87,7 +87,7 @@ def test_eight_connections_with_four_generations_each_leave_nothing_behind(start
 
     def head_job(k: int):
         def job(barrier: threading.Barrier) -> list[tuple[list[int], list[int]]]:
-            with Head.connect(node.addr) as head:
+            with FleetHead.connect(node.addr) as head:
                 barrier.wait(5)
                 out = []
                 for g in range(4):

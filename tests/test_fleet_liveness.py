@@ -7,8 +7,9 @@ import threading
 import time
 
 import pytest
-from headkit import Head, mock_tokens
 
+from conformance.head import FleetHead
+from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
 from nodeagent.wal import GenParams
 
@@ -16,7 +17,7 @@ V2 = (2, 2)
 IDLE = 0.3
 
 
-def stream(head: Head, session: int, prompt: list[int]) -> list[int]:
+def stream(head: FleetHead, session: int, prompt: list[int]) -> list[int]:
     """Places `session`, generates 8 tokens and revokes it, reconnecting once if the node
     dropped the connection while it sat idle."""
     try:
@@ -26,7 +27,7 @@ def stream(head: Head, session: int, prompt: list[int]) -> list[int]:
         return _stream(head, session, prompt)
 
 
-def _stream(head: Head, session: int, prompt: list[int]) -> list[int]:
+def _stream(head: FleetHead, session: int, prompt: list[int]) -> list[int]:
     head.assign(session, GenParams())
     head.append(session, prompt)
     tokens = head.generate(session, 8).tokens
@@ -34,10 +35,10 @@ def _stream(head: Head, session: int, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def round_of(heads: list[Head], first: int) -> dict[int, list[int] | BaseException]:
+def round_of(heads: list[FleetHead], first: int) -> dict[int, list[int] | BaseException]:
     results: dict[int, list[int] | BaseException] = {}
 
-    def run(head: Head, session: int) -> None:
+    def run(head: FleetHead, session: int) -> None:
         try:
             results[session] = stream(head, session, [1, 2, 3, session])
         except BaseException as e:  # reported by the assertion below
@@ -58,7 +59,7 @@ def assert_round(results, first: int, n: int, when: str) -> None:
 
 def test_streams_survive_nodes_dropping_idle_connections(start_node):
     a, b = start_node(idle_s=IDLE, identity="idle-a"), start_node(idle_s=IDLE, identity="idle-b")
-    heads = [Head.connect(n.addr, versions=V2) for n in (a, b) for _ in range(4)]
+    heads = [FleetHead.connect(n.addr, versions=V2) for n in (a, b) for _ in range(4)]
     try:
         assert_round(round_of(heads, 1), 1, 8, "warm")
         time.sleep(IDLE * 3)
@@ -72,7 +73,7 @@ def test_streams_survive_nodes_dropping_idle_connections(start_node):
 
 def test_tending_keeps_idle_connections_open(start_node):
     node = start_node(idle_s=IDLE, identity="tended")
-    with Head.connect(node.addr, versions=V2) as head:
+    with FleetHead.connect(node.addr, versions=V2) as head:
         assert _stream(head, 1, [1, 2, 3, 1]) == mock_tokens([1, 2, 3, 1], 8)
         until = time.monotonic() + IDLE * 3
         while time.monotonic() < until:
@@ -84,7 +85,7 @@ def test_tending_keeps_idle_connections_open(start_node):
 
 def test_a_session_appended_after_an_idle_drop_is_bound_on_the_new_connection(start_node):
     node = start_node(idle_s=IDLE, identity="rebind")
-    with Head.connect(node.addr, versions=V2) as head:
+    with FleetHead.connect(node.addr, versions=V2) as head:
         head.assign(1, GenParams())
         head.append(1, [1, 2, 3, 4])
         assert head.closed_by_node(IDLE * 3)
@@ -97,7 +98,7 @@ def test_a_session_appended_after_an_idle_drop_is_bound_on_the_new_connection(st
 
 def test_the_handshake_names_the_node_its_window_and_lanes(start_node):
     node = start_node(identity="probe-a", max_lanes=4)
-    heads = [Head.connect(node.addr, versions=V2) for _ in range(4)]
+    heads = [FleetHead.connect(node.addr, versions=V2) for _ in range(4)]
     try:
         for h in heads:
             assert (h.node.node_identity, h.node.loadable_models) == ("probe-a", ["mock"])
@@ -114,5 +115,5 @@ def test_the_handshake_names_the_node_its_window_and_lanes(start_node):
 def test_a_key_mismatch_is_refused(start_node):
     node = start_node(auth=b"right")
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, auth=b"wrong", versions=V2, timeout=2.0)
+        FleetHead.connect(node.addr, auth=b"wrong", versions=V2, timeout=2.0)
     assert isinstance(node.outcome(), LinkFError.Unauthorized)

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from headkit import Head, hung_up, raw_connect, raw_frame
+from conformance.head import FleetHead
+from conformance.raw import hung_up, raw_connect, raw_frame
 from linkf.errors import LinkFError
 from nodeagent import finish
 from nodeagent.daemon import GenExtras
@@ -32,7 +33,7 @@ def test_noded_process_serves_a_fleet_generation(noded):
     node = noded(*MOCK, "--identity", "proc-node")
     assert (node.identity, node.model_name) == ("proc-node", "mock")
     assert node.lines[0] == "superfluid-noded: runtime mock, context window 4096 tokens, 8 lanes"
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert head.node.node_identity == "proc-node"
         assert head.node.loadable_models == ["mock"]
         assert (head.node.capacity.max_context_tokens, head.node.capacity.max_lanes) == (4096, 8)
@@ -49,7 +50,7 @@ def test_noded_process_serves_a_fleet_generation(noded):
 def test_flags_reach_the_capacity_and_the_name(noded):
     node = noded(*MOCK, "--max-batch", "3", "--max-context", "100", "--model-name", "alias", "--identity", "n2")
     assert node.lines[0] == "superfluid-noded: runtime mock, context window 512 tokens, 3 lanes"
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert head.node.loadable_models == ["alias"]
         assert (head.node.capacity.max_context_tokens, head.node.capacity.max_lanes) == (512, 3)
 
@@ -57,7 +58,7 @@ def test_flags_reach_the_capacity_and_the_name(noded):
 def test_the_identity_defaults_to_the_environment(noded):
     node = noded(*MOCK, SUPERFLUID_NODE_NAME="env-node")
     assert node.identity == "env-node"
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert head.node.node_identity == "env-node"
 
 
@@ -66,9 +67,9 @@ def test_a_token_encrypts_the_link_and_refuses_another(noded, tmp_path):
     node = noded(*MOCK, "--auth-file", str(tmp_path / "token"), "--handshake-timeout-ms", "2000")
     node.wait_line("^superfluid-noded: the link is encrypted and both ends are checked against the token$")
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, auth=b"another-token", timeout=3)
+        FleetHead.connect(node.addr, auth=b"another-token", timeout=3)
     node.wait_line(r"^superfluid-noded: refused 127\.0\.0\.1:\d+: its fleet token differs$")
-    with Head.connect(node.addr, auth=b"s3cret-token") as head:
+    with FleetHead.connect(node.addr, auth=b"s3cret-token") as head:
         head.assign(1)
         head.append(1, [1, 2, 3])
         assert head.generate(1, 5).tokens == local_mock([1, 2, 3], 5)
@@ -82,13 +83,13 @@ def test_the_default_token_lets_it_serve_off_loopback(noded, tmp_path):
     assert node.lines[0] == f"superfluid-noded: fleet token from {token}"
     port = node.addr.rpartition(":")[2]
     assert node.addr == f"0.0.0.0:{port}" and port != "0"
-    with Head.connect(f"127.0.0.1:{port}", auth=b"fleet-tok") as head:
+    with FleetHead.connect(f"127.0.0.1:{port}", auth=b"fleet-tok") as head:
         assert head.node.node_identity == node.identity
 
 
 def test_a_broken_peer_costs_one_line_and_only_its_own_link(noded):
     node = noded(*MOCK, "--token-delay-ms", "5")
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(1)
         head.append(1, list(range(20)))
         req = head.request(1, 60)
@@ -113,7 +114,7 @@ def test_the_serving_line_names_a_port_that_answers(noded):
 def test_sigterm_drains_a_running_generation_then_exits_0(noded):
     node = noded(*MOCK, "--token-delay-ms", "20")
     prompt = [7] * 30
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(1)
         head.append(1, prompt)
         req = head.request(1, 60)  # about 1.2 s at 20 ms a token
@@ -131,7 +132,7 @@ def test_sigterm_drains_a_running_generation_then_exits_0(noded):
 
 def test_the_drain_is_bounded_by_its_timeout(noded):
     node = noded(*MOCK, "--token-delay-ms", "20", "--drain-timeout-ms", "300")
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(1)
         head.append(1, [1])
         req = head.request(1, 100_000)
@@ -174,7 +175,7 @@ def test_one_source_holds_at_most_16_handshakes_and_a_head_still_gets_in(noded, 
         time.sleep(0.5)
         # The newest 16 are held; each newcomer let the oldest of its source go.
         assert [closed_now(s) for s in socks] == [True] * 54 + [False] * 16
-        with Head.connect(node.addr, auth=b"tok", timeout=1) as head:
+        with FleetHead.connect(node.addr, auth=b"tok", timeout=1) as head:
             assert head.node.node_identity == node.identity
     finally:
         for s in socks:
@@ -186,7 +187,7 @@ def test_two_heads_at_once_each_get_their_own_tokens(noded):
     results = {}
 
     def run(session, prompt):
-        with Head.connect(node.addr) as head:
+        with FleetHead.connect(node.addr) as head:
             head.assign(session)
             head.append(session, prompt)
             results[session] = head.generate(session, 40).tokens
@@ -201,7 +202,7 @@ def test_two_heads_at_once_each_get_their_own_tokens(noded):
 
 def test_a_cancel_reaches_the_process(noded):
     node = noded(*MOCK, "--token-delay-ms", "10")
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(1)
         head.append(1, [4, 5])
         req = head.request(1, 100_000)
@@ -240,7 +241,7 @@ def test_the_builtin_torch_model_serves_what_it_serves_in_process(noded):
         want = local.generate_tokens_streaming(prompt, GenParams(), 8, 0, GenExtras(), lambda b: True).tokens
     finally:
         local.close()
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert head.node.capacity.max_lanes == 2
         head.assign(1)
         head.append(1, prompt)

@@ -1,8 +1,9 @@
 """The Rust `fleet_one_node` scenarios, against this node: one head, one node, end to end."""
 
 import pytest
-from headkit import LEASE, Head, mock_tokens
 
+from conformance.head import LEASE, FleetHead
+from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
 from nodeagent import finish
 from nodeagent.agent import FINISH_DECLINED, FINISH_REFUSED
@@ -13,7 +14,7 @@ from proto.linkf import TokenEventPayload
 
 def test_fleet_generation_matches_local_token_for_token(node):
     prompt = list(range(200, 232))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert head.node.loadable_models == ["mock"]
         head.assign(42, GenParams())
         head.append(42, prompt)
@@ -34,9 +35,9 @@ def test_a_keyed_node_serves_over_an_encrypted_link_and_refuses_another_key(star
     node = start_node(auth=b"the fleet token")
     prompt = list(range(300, 332))
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, auth=b"another token", timeout=2.0)
+        FleetHead.connect(node.addr, auth=b"another token", timeout=2.0)
     assert isinstance(node.outcome(), LinkFError.Unauthorized)
-    with Head.connect(node.addr, auth=b"the fleet token") as head:
+    with FleetHead.connect(node.addr, auth=b"the fleet token") as head:
         head.assign(7, GenParams(), LEASE)
         head.append(7, prompt)
         assert head.generate(7, 8).tokens == mock_tokens(prompt, 8)
@@ -44,7 +45,7 @@ def test_a_keyed_node_serves_over_an_encrypted_link_and_refuses_another_key(star
 
 def test_fleet_reassignment_fences_and_second_generation_wins(node):
     prompt = list(range(10, 26))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         e1 = head.assign(7, GenParams())
         head.append(7, prompt)
         g1 = head.generate(7, 8)
@@ -59,7 +60,7 @@ def test_fleet_reassignment_fences_and_second_generation_wins(node):
 
 def test_a_node_refusal_reports_a_finish_reason_instead_of_dropping_the_link(start_node):
     node = start_node(MockDaemon(max_context=64))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert head.node.capacity.max_context_tokens == 64, "the node advertises its real window"
         head.assign(1, GenParams())
         head.append(1, list(range(64 + 32)))
@@ -75,13 +76,13 @@ def test_a_node_refusal_reports_a_finish_reason_instead_of_dropping_the_link(sta
 
 def test_a_second_head_reusing_a_session_id_is_never_left_hanging(node):
     session = 1 << 40
-    with Head.connect(node.addr) as first:
+    with FleetHead.connect(node.addr) as first:
         first.assign(session, GenParams())
         first.append(session, list(range(8)))
         for _ in range(3):
             assert len(first.generate(session, 4).tokens) == 4
 
-    with Head.connect(node.addr) as second:
+    with FleetHead.connect(node.addr) as second:
         second.assign(session, GenParams())
         second.append(session, list(range(8)))
         g = second.generate(session, 4)

@@ -1,14 +1,14 @@
 """The Rust `fleet_recovery` scenario: a head that reconnects finds its session held and
 generates on where it left off."""
 
-from headkit import LEASE, Head, mock_tokens
-
+from conformance.head import LEASE, FleetHead
+from conformance.reference import mock_tokens
 from nodeagent.wal import GenParams
 
 
 def test_reconnect_holds_session_and_resumes_generation(node):
     prompt = list(range(300, 340))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         head.assign(11, GenParams(), LEASE)
         head.append(11, prompt)
         g1 = head.generate(11, 8)

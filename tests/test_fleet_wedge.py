@@ -2,8 +2,10 @@
 the node. The head here offers version 2 only, as the public Rust head does."""
 
 import pytest
-from headkit import LEASE, Head, hung_up, mock_tokens, raw_connect
 
+from conformance.head import LEASE, FleetHead
+from conformance.raw import hung_up, raw_connect
+from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
 from nodeagent.wal import GenParams
 
@@ -14,7 +16,7 @@ PROMPT = list(range(10, 26))
 def test_silent_connection_does_not_wedge_the_node(start_node):
     node = start_node(handshake_s=0.3, idle_s=2.0)
     silent = raw_connect(node.addr)
-    with Head.connect(node.addr, versions=V2) as head:
+    with FleetHead.connect(node.addr, versions=V2) as head:
         head.assign(1, GenParams(), LEASE)
         head.append(1, PROMPT)
         gen = head.generate(1, 8)
@@ -26,7 +28,7 @@ def test_silent_connection_does_not_wedge_the_node(start_node):
 
 def test_idle_drop_is_transparent_to_the_caller(start_node):
     node = start_node(handshake_s=0.3, idle_s=0.4)
-    with Head.connect(node.addr, versions=V2) as head:
+    with FleetHead.connect(node.addr, versions=V2) as head:
         head.assign(5, GenParams(), LEASE)
         head.append(5, PROMPT)
         g1 = head.generate(5, 8)
@@ -42,10 +44,10 @@ def test_idle_drop_is_transparent_to_the_caller(start_node):
 def test_node_rejects_wrong_credential_and_non_head(start_node):
     node = start_node(handshake_s=0.5, idle_s=5.0, auth=b"the-shared-secret")
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, auth=b"wrong", versions=V2)
+        FleetHead.connect(node.addr, auth=b"wrong", versions=V2)
     with pytest.raises(LinkFError):
-        Head.connect(node.addr, versions=V2, timeout=1.0)
-    with Head.connect(node.addr, auth=b"the-shared-secret", versions=V2) as head:
+        FleetHead.connect(node.addr, versions=V2, timeout=1.0)
+    with FleetHead.connect(node.addr, auth=b"the-shared-secret", versions=V2) as head:
         head.assign(1, GenParams(), LEASE)
         head.append(1, PROMPT)
         assert head.generate(1, 8).tokens == mock_tokens(PROMPT, 8)
