@@ -27,7 +27,6 @@ class StoryLog(NodeObserver):
         self.max_lanes = max_lanes
         self.status_every_s = status_every_s
         self._running = 0
-        self._tokens = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="node-status-line", daemon=True)
@@ -56,22 +55,20 @@ class StoryLog(NodeObserver):
             self._running += 1
         return _Finishing(self, session_id, generation_id)
 
-    def _sent(self, tokens: int) -> None:
-        with self._lock:
-            self._tokens += tokens
-
     def _ended(self) -> None:
         with self._lock:
             self._running -= 1
 
     def _tick(self) -> None:
-        """The status line, while generations run: what a glance at a dashboard would give."""
-        last_tokens, last_at = 0, time.monotonic()
+        """The status line, while generations run: what a glance at a dashboard would give. The
+        rate is the engine's decode counter over the interval, so sending tokens costs the
+        story nothing."""
+        last_tokens, last_at = self.daemon.sched_stats().decode_tokens, time.monotonic()
         while not self._stop.wait(self.status_every_s):
             stats = self.daemon.sched_stats()
             with self._lock:
-                running, tokens = self._running, self._tokens
-            now = time.monotonic()
+                running = self._running
+            tokens, now = stats.decode_tokens, time.monotonic()
             if running:
                 log.info(
                     "busy",
@@ -80,7 +77,7 @@ class StoryLog(NodeObserver):
                         lanes=f"{stats.lanes_active}/{self.max_lanes}",
                         queued=sum(stats.queue_depth),
                         kv_blocks=f"{stats.pool_blocks_used}/{stats.pool_blocks_total}",
-                        tokens_per_s=round((tokens - last_tokens) / (now - last_at), 1),
+                        decode_tokens_per_s=round((tokens - last_tokens) / (now - last_at), 1),
                     ),
                 )
             last_tokens, last_at = tokens, now
@@ -97,7 +94,6 @@ class _Finishing(GenerationWatch):
 
     def tokens_sent(self, count: int) -> None:
         self.tokens += count
-        self.story._sent(count)
 
     def dropped(self) -> None:
         if self.running:

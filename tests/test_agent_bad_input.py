@@ -31,7 +31,9 @@ CASES = {
     "class byte out of range": (raw_frame(msg_type.LEASE_RENEW, b"\x00\x00", class_byte=7, seq=2), True, LinkFError.Envelope, "class byte"),
     "frame over 16 MiB": (raw_frame(msg_type.APPEND_CONTENT, length=MAX_FRAME + 1, seq=2), True, LinkFError.Envelope, "16777216"),
     "length under the header": (raw_frame(msg_type.KEEPALIVE, length=3, seq=2), True, LinkFError.Envelope, "length"),
-    "garbage before HELLO": (b"GET / HTTP/1.1\r\nHost: node\r\n\r\n", False, LinkFError.Envelope, "exceeds"),
+    "garbage before HELLO": (b"\xff\xff\xff\x7f and then some", False, LinkFError.Envelope, "exceeds"),
+    "HTTP before HELLO": (b"GET / HTTP/1.1\r\nHost: node\r\n\r\n", False, LinkFError.Protocol, "the peer speaks HTTP"),
+    "TLS before HELLO": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", False, LinkFError.Protocol, "the peer speaks TLS"),
     "another frame before HELLO": (raw_frame(msg_type.GENERATE_CANCEL, b"\x01\x01"), False, LinkFError.Protocol, "expected Hello"),
     "malformed blocks": (
         raw_frame(msg_type.SESSION_ASSIGN, postcard.to_bytes(ASSIGN), seq=2)

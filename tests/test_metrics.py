@@ -161,3 +161,13 @@ def test_a_peer_speaking_http_is_told_apart(noded):
         sock.sendall(bytes([0x16, 0x03, 0x01, 0x02, 0x00]) + bytes(64))  # a TLS ClientHello's start
         assert hung_up(sock, 5)
     assert "this port speaks Link F" in node.wait_line("speaks TLS")
+
+
+def test_a_keyed_node_tells_http_apart_before_its_noise_handshake(noded, tmp_path):
+    (tmp_path / "token").write_text("tok")
+    node = noded("--listen", "127.0.0.1:0", "--engine", "mock", "--auth-file", str(tmp_path / "token"))
+    with raw_connect(node.addr) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert hung_up(sock, 5)
+    line = node.wait_line("speaks HTTP")
+    assert line.startswith("superfluid-noded: a connection from 127.0.0.1:") and "this port speaks Link F" in line
