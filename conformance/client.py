@@ -2,7 +2,7 @@
 
     superfluid-client hello HOST:PORT [--auth-file F]
     superfluid-client status HOST:PORT [--auth-file F]
-    superfluid-client generate HOST:PORT [--auth-file F] (--prompt 1,2,3 | --text STR | --chat STR --model M)
+    superfluid-client generate HOST:PORT [--auth-file F] (--prompt 1,2,3 | --text STR | --chat STR) [--model M]
                       [--max-new N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
 
 `hello` prints what the node says of itself in HELLO_ACK_F, `status` its next NODE_STATUS,
@@ -42,9 +42,11 @@ def parser() -> argparse.ArgumentParser:
     gen = sub.choices["generate"]
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt token ids, comma-separated")
-    prompt.add_argument("--text", help="a plain-text prompt (needs --model's tokenizer)")
-    prompt.add_argument("--chat", help="a user message, through the model's chat template (needs --model)")
-    gen.add_argument("--model", help="the model the node serves (directory, GGUF or alias), for its tokenizer")
+    prompt.add_argument("--text", help="a plain-text prompt, through the model's tokenizer")
+    prompt.add_argument("--chat", help="a user message, through the model's chat template")
+    gen.add_argument(
+        "--model", help="the model's directory, GGUF or alias, for its tokenizer (default: the model the node advertises)"
+    )
     gen.add_argument("--max-new", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=0.0)
@@ -107,7 +109,7 @@ def generate(head: FleetHead, args: argparse.Namespace) -> int:
             print(f"{PROGRAM}: --prompt takes token ids, comma-separated", file=sys.stderr)
             return 2
     else:
-        codec, prompt = text_prompt(args)
+        codec, prompt = text_prompt(args, head.node.loadable_models)
     session = clock_id()
     params = GenParams(args.temperature, args.top_p, args.min_p, args.top_k, args.seed)
     head.assign(session, params)
@@ -125,19 +127,23 @@ def generate(head: FleetHead, args: argparse.Namespace) -> int:
     return 0
 
 
-def text_prompt(args: argparse.Namespace):
-    """The model's text codec and the prompt's token ids, for --text and --chat."""
-    if args.model is None:
+def text_prompt(args: argparse.Namespace, advertised: list[str]):
+    """The model's text codec and the prompt's token ids, for --text and --chat. Without
+    --model the tokenizer is the one of the model the node advertises (an alias such as
+    `make run`'s smollm2-135m-instruct, or a path that is also valid here)."""
+    model = args.model or (advertised[0] if advertised else None)
+    if model is None:
         raise Exit(2, "--text and --chat need --model, the model the node serves, for its tokenizer")
     from conformance.text import TextCodecError, load_text_codec  # here: it needs `tokenizers`
 
     try:
-        codec = load_text_codec(args.model)
+        codec = load_text_codec(model)
         if args.chat is not None:
             return codec, codec.chat([{"role": "user", "content": args.chat}])
         return codec, codec.encode(args.text)
     except TextCodecError as e:
-        raise Exit(2, str(e)) from None
+        hint = "" if args.model else f" (the node serves {model!r}; pass --model with its tokenizer's directory, GGUF or alias)"
+        raise Exit(2, f"{e}{hint}") from None
 
 
 def token_printer(codec):
