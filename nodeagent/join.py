@@ -114,8 +114,10 @@ def join_token(opts: Options) -> bytes:
         token = read_default_token(home) or b""
         if token:
             say(f"fleet token from {token_path(home)}")
-    if not token and not loopback(opts.join) and not opts.insecure_no_auth:
-        raise Exit(2, NO_TOKEN)
+    if not token and not loopback(opts.join):
+        if not opts.insecure_no_auth:
+            raise Exit(2, NO_TOKEN)
+        say(f"WARNING --insecure-no-auth: joining {opts.join} with no fleet token (transport-only trust)")
     return token
 
 

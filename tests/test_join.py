@@ -187,6 +187,15 @@ def test_joining_a_head_off_loopback_needs_a_token(noded):
     ]
 
 
+def test_insecure_no_auth_joins_without_a_token_and_says_so(noded):
+    node = noded("join", "192.0.2.1:8454", "--engine", "mock", "--insecure-no-auth", ready=JOIN_LINE)
+    assert (
+        "superfluid-noded: WARNING --insecure-no-auth: joining 192.0.2.1:8454 with no fleet token "
+        "(transport-only trust)"
+    ) in node.lines
+    assert node.stop() == 0
+
+
 def test_the_back_off_doubles_to_30_s_and_starts_over_after_a_join():
     backoff = Backoff()
     assert [backoff.next() for _ in range(7)] == [2, 4, 8, 16, 30, 30, 30]
