@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nodeagent import logs
-from nodeagent.engine import RUNTIMES
+from nodeagent.engine import DTYPES, RUNTIMES
 from nodeagent.models import ALIASES, is_gguf
 
 PROGRAM = "superfluid-noded"
@@ -36,7 +36,7 @@ USAGE = f"""\
 usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>] \
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
-[--device auto|cpu|cuda|cuda:N] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
+[--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
 [--session-retention-ms N]
        {PROGRAM} join <head-host:port> --model <path|builtin> [--token <value>] [the flags above \
@@ -50,6 +50,7 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
 (--listen defaults to {DEFAULT_LISTEN}, the fleet-worker port next to BASE 8453;
  --auth-file holds the fleet token (default $SUPERFLUID_HOME/fleet/token, from
  `superfluid fleet token`); with it the link is encrypted and both ends checked.
+ --dtype (torch) defaults to auto: bf16 on CUDA, fp32 on CPU.
  --max-context defaults to 4096 for the mock and to what the device holds for torch, at least
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
  SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests;
@@ -113,6 +114,7 @@ class Options:
     handshake_timeout_ms: int = 10_000
     idle_timeout_ms: int = 30_000
     device: str = "auto"
+    dtype: str = "auto"
     kv_budget_mb: int | None = None
     drain_timeout_ms: int = 30_000
     token_delay_ms: int = 0
@@ -149,6 +151,12 @@ def _signed(v: str) -> int:
 def _device(v: str) -> str:
     if v not in DEVICES[:3] and not re.fullmatch(r"cuda:[0-9]+", v):
         raise ValueError(" or ".join(DEVICES))
+    return v
+
+
+def _dtype(v: str) -> str:
+    if v not in DTYPES:
+        raise ValueError(" or ".join(DTYPES))
     return v
 
 
@@ -190,6 +198,7 @@ FLAGS = {
     "--handshake-timeout-ms": ("handshake_timeout_ms", _count),
     "--idle-timeout-ms": ("idle_timeout_ms", _count),
     "--device": ("device", _device),
+    "--dtype": ("dtype", _dtype),
     "--kv-budget-mb": ("kv_budget_mb", _count),
     "--drain-timeout-ms": ("drain_timeout_ms", _count),
     "--token-delay-ms": ("token_delay_ms", _count),
@@ -399,6 +408,7 @@ def load(opts: Options, runtime: str):
             runtime,
             opts.model,
             device=opts.device,
+            dtype=opts.dtype,
             max_batch=opts.max_batch,
             max_context=max_context,
             kv_budget_mb=opts.kv_budget_mb,

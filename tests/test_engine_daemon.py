@@ -114,3 +114,19 @@ def test_stage_forwards_alongside_generations_leave_them_intact(builtin):
         thread.join()
     assert results == expected
     assert stages and all(s == stage_token for s in stages)
+
+
+def test_dtype_flag_picks_the_weights_precision():
+    from nodeagent import cli
+
+    assert cli.parse_args(["--model", "builtin"]).dtype == "auto"
+    assert cli.parse_args(["--model", "builtin", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(cli.UsageError, match="--dtype takes auto or float32 or bfloat16 or float16"):
+        cli.parse_args(["--model", "builtin", "--dtype", "float64"])
+    daemon = open_engine("torch", "builtin", device="cpu", max_batch=1, kv_budget_mb=8, dtype="bfloat16")
+    try:
+        assert daemon.model.dtype == torch.bfloat16
+        assert "(builtin, cpu bf16)" in daemon.summary() and "weights 34 MB" in daemon.summary()
+        assert len(generate(daemon, [1, 2, 3], 4)) == 4
+    finally:
+        daemon.close()

@@ -93,7 +93,6 @@ class TorchDaemon(Daemon):
             model.device,
         )
         self._scheduler = Scheduler(model, pool, max_batch, self.context, prefill_chunk, prefix_cache)
-        log.info(f"torch engine: {self._memory()}")
 
     @classmethod
     def load(
