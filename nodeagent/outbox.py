@@ -24,6 +24,16 @@ OUTBOX_BATCHES = 64
 _CANCEL_CHECK = 0.05
 
 
+class _Batches(queue.Queue):
+    """A bounded `queue.Queue` that can also wait for room without putting anything."""
+
+    def wait_not_full(self, timeout: float) -> bool:
+        with self.not_full:
+            if self._qsize() >= self.maxsize:
+                self.not_full.wait(timeout)
+            return self._qsize() < self.maxsize
+
+
 @dataclass(frozen=True)
 class Done:
     """The generation ended: its result, or the daemon's error; None when the worker failed
@@ -36,7 +46,7 @@ class Outbox:
     """One generation's batches on their way to the loop, then its `Done`."""
 
     def __init__(self, waker: Waker, cancel: threading.Event, capacity: int = OUTBOX_BATCHES) -> None:
-        self._queue: queue.Queue[list[int] | Done] = queue.Queue(maxsize=capacity)
+        self._queue = _Batches(maxsize=capacity)
         self._waker = waker
         self._cancel = cancel
         #: The loop's side: what `take` pulled beyond its limit, sent first next time.
@@ -60,10 +70,7 @@ class Outbox:
 
     def wait_room(self, timeout: float) -> bool:
         """Waits up to `timeout` seconds for the loop to take something; True once it has."""
-        with self._queue.not_full:
-            if self._queue.qsize() >= self._queue.maxsize:
-                self._queue.not_full.wait(timeout)
-            return self._queue.qsize() < self._queue.maxsize
+        return self._queue.wait_not_full(timeout)
 
     def _hand_over(self, item: list[int] | Done, give_up: threading.Event) -> bool:
         while not give_up.is_set():

@@ -87,9 +87,10 @@ class _Lanes:
         self._prefilled = 0
         self._next_lane = 1
 
-    def admit(self, qos: int, prompt_len: int, deadline: float | None, stops: tuple):
-        """A lane id once one is free; None when the deadline passes or one of the `stops`
-        events (the engine closing, the caller cancelling; None for none) is set first."""
+    def admit(self, qos: int, context_len: int, prefill: int, deadline: float | None, stops: tuple):
+        """A lane id once one is free, holding `context_len` tokens of which `prefill` count as
+        prefilled; None when the deadline passes or one of the `stops` events (the engine
+        closing, the caller cancelling; None for none) is set first."""
         qos = min(max(qos, 0), QOS_CLASSES - 1)
 
         def stopped() -> bool:
@@ -109,9 +110,14 @@ class _Lanes:
                 self._queued[qos] -= 1
             lane = self._next_lane
             self._next_lane += 1
-            self._pages[lane] = _pages(prompt_len)
-            self._prefilled += prompt_len
+            self._pages[lane] = _pages(context_len)
+            self._prefilled += prefill
             return lane
+
+    def contended(self) -> bool:
+        """Some generation waits for a lane."""
+        with self._cond:
+            return any(self._queued)
 
     def decoded(self, lane: int, tokens: int, context_len: int) -> None:
         with self._cond:
@@ -218,7 +224,9 @@ class MockDaemon(Daemon):
             raise GenerationError(str(e)) from None
         run = _Run(stepper, len(stream), max_tokens, deadline, extras)
         while True:
-            lane = self._lanes.admit(extras.qos_class, run.context_len(), deadline, (self._closed, extras.cancel))
+            prefill = 0 if run.tokens else len(stream)
+            stops = (self._closed, extras.cancel)
+            lane = self._lanes.admit(extras.qos_class, run.context_len(), prefill, deadline, stops)
             if lane is None:
                 return self._unadmitted(run)
             try:
@@ -236,12 +244,16 @@ class MockDaemon(Daemon):
         return GenerationResult([], finish.NONE, expired=True)
 
     def _run(self, lane: int, run: _Run, on_tokens: OnTokens) -> GenerationResult | None:
-        """Steps `run` on `lane` until it ends (its result) or its consumer falls behind
-        (None: the lane goes back, and the run waits for the consumer)."""
+        """Steps `run` on `lane` until it ends (its result), or its consumer is behind while
+        another generation waits for a lane (None: the lane goes to that one, and the run waits
+        for its consumer holding none)."""
         consumer = run.extras.consumer
         while len(run.tokens) < run.max_tokens:
-            if consumer is not None and consumer.behind():
-                return None
+            while consumer is not None and consumer.behind():
+                if self._lanes.contended():
+                    return None
+                if not self._wait_room(run):
+                    return self._unadmitted(run)
             batch: list[int] = []
             while len(batch) < self._batch and len(run.tokens) + len(batch) < run.max_tokens:
                 if self._pause():
@@ -258,12 +270,18 @@ class MockDaemon(Daemon):
     def _wait_for_consumer(self, run: _Run) -> bool:
         """Waits, holding no lane, until `run`'s consumer can take more; False when the engine
         closes, the generation is cancelled or its deadline passes first."""
-        while not run.extras.consumer.wait_room(_CONSUMER_CHECK):
-            if self._closed.is_set() or run.extras.cancelled():
-                return False
-            if run.deadline is not None and time.monotonic() >= run.deadline:
+        while run.extras.consumer.behind():
+            if not self._wait_room(run):
                 return False
         return True
+
+    def _wait_room(self, run: _Run) -> bool:
+        """Waits a little for `run`'s consumer; False once the engine closes, the generation is
+        cancelled or its deadline passes."""
+        run.extras.consumer.wait_room(_CONSUMER_CHECK)
+        if self._closed.is_set() or run.extras.cancelled():
+            return False
+        return run.deadline is None or time.monotonic() < run.deadline
 
     def _pause(self) -> bool:
         """Waits out the per-token delay; True once the engine is closed."""
