@@ -74,6 +74,19 @@ def our_tokens(path, prompt: list[int], n: int) -> list[int]:
         daemon.close()
 
 
+def assert_matches_transformers(path):
+    """Our model and transformers' on the GGUF at `path`: logits over PROMPT within 1e-4 and
+    the same greedy tokens. Returns both models."""
+    ours = load_gguf(path, torch.float32, CPU)
+    reference = theirs(path)
+    with torch.inference_mode():
+        x = ours.run_causal(ours.embed(torch.tensor([PROMPT])), 0, ours.config.n_layers)
+        diff = (ours.logits(x[0]) - reference(torch.tensor([PROMPT])).logits[0].float()).abs().max()
+    assert float(diff) <= 1e-4
+    assert our_tokens(path, PROMPT, NEW_TOKENS) == their_tokens(reference, PROMPT, NEW_TOKENS)
+    return ours, reference
+
+
 @pytest.mark.parametrize("kind", ["f32", "mixed", "k_quants"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_matches_transformers_on_the_same_file(tmp_path, kind, tied):
@@ -82,14 +95,16 @@ def test_gguf_matches_transformers_on_the_same_file(tmp_path, kind, tied):
     config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
     tensors, types = tensors_of(kind, config)
     path = write_gguf(tmp_path / f"tiny-{kind}.gguf", config, tensors, types, VOCAB)
-    ours = load_gguf(path, torch.float32, CPU)
-    reference = theirs(path)
-    with torch.inference_mode():
-        x = ours.run_causal(ours.embed(torch.tensor([PROMPT])), 0, config.n_layers)
-        diff = (ours.logits(x[0]) - reference(torch.tensor([PROMPT])).logits[0].float()).abs().max()
-    assert float(diff) <= 1e-4
+    ours, _ = assert_matches_transformers(path)
     assert ours.config.tie_word_embeddings == tied
-    assert our_tokens(path, PROMPT, NEW_TOKENS) == their_tokens(reference, PROMPT, NEW_TOKENS)
+
+
+def test_qwen2_gguf_with_qkv_biases_matches_transformers(tmp_path):
+    """Qwen2: q/k/v biases and no q/k permutation in llama.cpp's files."""
+    tensors = random_tensors(CONFIG, seed=4, std=0.08, qkv_bias=True)
+    path = write_gguf(tmp_path / "tiny-qwen2.gguf", CONFIG, tensors, mixed_types(CONFIG), VOCAB, arch="qwen2")
+    _, reference = assert_matches_transformers(path)
+    assert type(reference).__name__ == "Qwen2ForCausalLM"
 
 
 def test_the_file_is_unmapped_once_loaded(tmp_path):

@@ -103,16 +103,18 @@ def write_gguf(
     tensors: dict[str, torch.Tensor | Quantized],
     types: dict[str, int] | None = None,
     vocab: GGUFVocab | None = None,
+    arch: str = "llama",
 ) -> Path:
-    """Save Hugging Face-named `tensors` as a llama-architecture GGUF file as llama.cpp's
-    converter would: GGUF names, q/k rows permuted, each tensor in `types[name]` (default F32)."""
+    """Save Hugging Face-named `tensors` as a GGUF file of `arch` as llama.cpp's converter
+    would: GGUF names, q/k rows permuted (Llama only), each tensor in `types[name]` (default
+    F32)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
-    from nodeagent.engine.gguf_file import gguf_name
+    from nodeagent.engine.gguf_file import ARCHITECTURES, gguf_name
 
     path = Path(path)
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     _gguf_metadata(writer, config)
     if vocab is not None:
         _gguf_vocab(writer, vocab)
@@ -121,7 +123,7 @@ def write_gguf(
             writer.add_tensor(gguf_name(name), tensor.blocks, raw_dtype=GGMLQuantizationType(tensor.qtype))
             continue
         values = tensor.float().numpy()
-        if ".q_proj." in name or ".k_proj." in name:
+        if ARCHITECTURES[arch] and (".q_proj." in name or ".k_proj." in name):
             values = permute_rotary_rows(values, config.n_heads if ".q_proj." in name else config.n_kv_heads)
         qtype = GGMLQuantizationType((types or {}).get(name, GGMLQuantizationType.F32))
         if qtype == GGMLQuantizationType.F32:
