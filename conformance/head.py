@@ -43,7 +43,9 @@ from proto.linkf import (
     TokenEventsMsg,
     decode_payload,
     msg_type,
+    type_name,
 )
+from proto.postcard import PostcardError
 
 #: The lease the Rust fleet tests place sessions with.
 LEASE = Lease(duration_ms=120_000, renew_by_ms=90_000)
@@ -336,7 +338,7 @@ class FleetHead:
         """The next frame of type `wanted` read from now on."""
         start = len(self.received)
         self.until(
-            lambda: any(r.frame.msg_type == wanted for r in self.received[start:]), timeout, f"frame 0x{wanted:04x}"
+            lambda: any(r.frame.msg_type == wanted for r in self.received[start:]), timeout, type_name(wanted)
         )
         return next(r for r in self.received[start:] if r.frame.msg_type == wanted)
 
@@ -354,7 +356,10 @@ class FleetHead:
         return False
 
     def _handle(self, frame: Frame) -> Received:
-        msg = decode_payload(frame.msg_type, frame.payload)
+        try:
+            msg = decode_payload(frame.msg_type, frame.payload)
+        except PostcardError as e:
+            raise LinkFError.Payload(f"the node's {type_name(frame.msg_type)}: {e}", peer=self.endpoint.peer) from e
         got = Received(time.monotonic(), frame, msg)
         self.received.append(got)
         if frame.msg_type == msg_type.TOKEN_EVENTS:

@@ -29,7 +29,7 @@ import cbor2
 from proto import postcard
 from proto.envelope import Frame
 from proto.handshake import Hello
-from proto.linkf import PAYLOAD_TYPES, decode_payload, msg_type
+from proto.linkf import PAYLOAD_TYPES, decode_payload, msg_type, type_name
 
 MAGIC = "superfluid-linkf-transcript"
 FORMAT = 1
@@ -148,11 +148,6 @@ def read(path: Path) -> Transcript:
     return Transcript(items[0], records)
 
 
-def name_of(t: int) -> str:
-    names = {v: k for k, v in vars(msg_type).items() if isinstance(v, int)}
-    return names.get(t, f"0x{t:04x}")
-
-
 def show(t: Transcript) -> list[str]:
     """The transcript decoded, a line for the header and one per frame."""
     header = ", ".join(f"{k}={v}" for k, v in t.header.items() if k not in ("transcript", "format"))
@@ -163,5 +158,5 @@ def show(t: Transcript) -> list[str]:
         except postcard.PostcardError as e:
             body = f"<{len(r.payload)} bytes that do not decode: {e}> {r.payload[:32].hex()}"
         mark = " (auth redacted)" if r.redacted else ""
-        lines.append(f"{r.t_ms:>8} ms  {r.sender:<4} #{r.seq:<5} v{r.version} {name_of(r.msg_type):<18} {body}{mark}")
+        lines.append(f"{r.t_ms:>8} ms  {r.sender:<4} #{r.seq:<5} v{r.version} {type_name(r.msg_type):<18} {body}{mark}")
     return lines

@@ -94,6 +94,14 @@ def is_known_type(t):
     return t in _KNOWN
 
 
+_NAMES = {getattr(msg_type, name): name for name in vars(msg_type) if name.isupper()}
+
+
+def type_name(t):
+    """A `msg_type` as people read it: `TOKEN_EVENTS`, or `0x0100` for one not in the catalog."""
+    return _NAMES.get(t, f"0x{t:04x}")
+
+
 # Nested types
 
 

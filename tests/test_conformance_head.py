@@ -61,7 +61,7 @@ def test_a_silent_node_is_a_timeout_that_names_what_was_awaited(mute_node):
             head.stage([1], 0, 24, timeout=0.2)
         with pytest.raises(HeadTimeout, match="tokens or a Finish"):
             list(head.generate_streaming(1, 4, timeout=0.2))
-        with pytest.raises(HeadTimeout, match="RECONCILE_ACK|0x0004"):
+        with pytest.raises(HeadTimeout, match="no RECONCILE_ACK from the node"):
             head.wait_for(msg_type.RECONCILE_ACK, 0.2)
         assert time.monotonic() - start < 3
 
