@@ -11,9 +11,10 @@ import threading
 import time
 
 import pytest
-from headkit import Head, mock_tokens
 from polling import wait_until
 
+from conformance.head import FleetHead
+from conformance.reference import mock_tokens
 from nodeagent import agent as node_agent
 from nodeagent import finish
 from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, NodeAgent
@@ -25,14 +26,14 @@ MILLION = 1_000_000
 WRITE_TIMEOUT = 1.0
 
 
-def placed(head: Head, session_id: int, prompt: list[int]) -> None:
+def placed(head: FleetHead, session_id: int, prompt: list[int]) -> None:
     head.assign(session_id, GenParams())
     head.append(session_id, prompt)
 
 
 def test_a_million_token_stream_leaves_the_head_heard_and_the_window_bounded(node):
     prompt = [1, 2, 3]
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1, prompt)
         stream = head.request(1, MILLION)
         key = (1, stream.generation_id)
@@ -72,13 +73,13 @@ def test_heads_that_stop_reading_are_dropped_and_free_their_lanes_while_another_
     daemon = MockDaemon(max_lanes=2)
     node = start_node(daemon)
     node.agent.with_write_timeout(WRITE_TIMEOUT)
-    deaf = [Head.connect(node.addr) for _ in range(6)]
+    deaf = [FleetHead.connect(node.addr) for _ in range(6)]
     try:
         for i, head in enumerate(deaf):
             head.lose_events = True  # what it reads later, after the drop, it acknowledges not
             placed(head, 100 + i, [i, 7])
             head.request(100 + i, MILLION)  # and never reads again
-        with Head.connect(node.addr) as good:
+        with FleetHead.connect(node.addr) as good:
             placed(good, 1, [4, 5, 6])
             started = time.monotonic()
             served = 0
@@ -100,7 +101,7 @@ def test_heads_that_stop_reading_are_dropped_and_free_their_lanes_while_another_
 def test_a_head_that_never_acknowledges_gets_one_window_then_is_dropped(start_node):
     node = start_node()
     node.agent.with_write_timeout(WRITE_TIMEOUT)
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1, [9, 9])
         head.lose_events = True  # reads every frame, acknowledges none
         req = head.request(1, MILLION)
@@ -115,7 +116,7 @@ def test_each_token_of_a_slow_engine_leaves_at_once(start_node):
     """No coalescing timer: with 60 ms between steps, every token goes out in its own event,
     well before the next one is made (the seed held tokens up to 200 ms)."""
     node = start_node(MockDaemon(token_delay_s=0.06))
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         placed(head, 1, [3])
         req = head.request(1, 5)
         arrivals = []
@@ -136,7 +137,7 @@ def test_idle_connections_sleep_until_their_next_deadline(start_node, monkeypatc
 
     monkeypatch.setattr(NodeAgent, "serve_pass", counted)
     node = start_node()
-    heads = [Head.connect(node.addr, heartbeat=60.0) for _ in range(10)]
+    heads = [FleetHead.connect(node.addr, heartbeat=60.0) for _ in range(10)]
     try:
         before = passes["n"]
         time.sleep(1.5)
@@ -175,7 +176,7 @@ def test_a_worker_blocked_on_a_full_outbox_still_sees_its_cancel():
 
 
 def test_the_window_is_the_one_hello_ack_advertises(node):
-    with Head.connect(node.addr) as head:
+    with FleetHead.connect(node.addr) as head:
         assert head.node.limits.transfer_window == node_agent.TRANSFER_WINDOW
     assert UNACKED_TOKENS_MAX == node_agent.TRANSFER_WINDOW * node_agent.EVENT_TOKENS_MAX
 
@@ -186,7 +187,7 @@ def test_many_connections_stream_token_exact_together(start_node, versions):
     results: dict[int, list[int]] = {}
 
     def one(i: int) -> None:
-        with Head.connect(node.addr, versions=versions) as head:
+        with FleetHead.connect(node.addr, versions=versions) as head:
             placed(head, i, [i, i + 1])
             results[i] = head.generate(i, 3000, timeout=30.0).tokens
 
