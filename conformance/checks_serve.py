@@ -26,7 +26,9 @@ PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
 LONG = 10**7
 LONG_WALL_MS = 30_000
 #: How soon a node must act on a GENERATE_CANCEL, or answer a second GENERATE_REQ.
-PROMPT_ANSWER_S = 3.0
+PROMPT_ANSWER_S = 5.0
+#: How often a node sends NODE_STATUS.
+STATUS_S = 2.0
 #: Slack for what was in flight when a lease ran out: frames in the socket buffers, one pass of
 #: the node's loop, the head reading a fast stream behind.
 GRACE_S = 1.0
@@ -189,6 +191,25 @@ def cancel(ctx: Context) -> None:
     check_stream(g.events, epoch)
     if ctx.target.mock:
         check(g.tokens == mock_tokens(PROMPT, len(g.tokens)), "the tokens before the cancel are not the mock's")
+
+
+@scenario("close-stops-generation")
+def close_stops(ctx: Context) -> None:
+    """A head that hangs up mid-generation frees its lane: the node's capacity soon shows no lane
+    busy (the suite runs nothing else meanwhile)."""
+    head = ctx.head()
+    session, _ = ctx.place(head, PROMPT)
+    running(ctx, head, session)
+    head.close()
+    watcher = ctx.head()
+    if watcher.node.capacity.lanes_active == 0:
+        return
+    deadline = time.monotonic() + 2 * STATUS_S + GRACE_S
+    while time.monotonic() < deadline:
+        status = watcher.wait_for(msg_type.NODE_STATUS, STATUS_S + GRACE_S).msg
+        if status.capacity.lanes_active == 0:
+            return
+    raise Violation(f"lanes still busy {2 * STATUS_S + GRACE_S:g} s after the head hung up")
 
 
 @scenario("wall-budget-expired")
