@@ -29,6 +29,7 @@ reliability: $(STAMP)
 # is no runtime dependency of the node).
 bench: $(STAMP)
 	$(PY) tests/bench/codec.py
+	$(PY) tests/bench/serve.py
 	$(PY) tests/bench/engine.py
 	$(PY) tests/bench/smollm2.py
 

@@ -42,6 +42,8 @@ POOL_BLOCKS = POOL_BYTES // (PAGE_TOKENS * BYTES_PER_TOKEN)
 DEFAULT_BATCH_TOKENS = 64
 
 _U64 = (1 << 64) - 1
+_LE64 = struct.Struct("<Q")
+_LE32 = struct.Struct("<I")
 #: How often a generation waiting on its consumer looks at its cancel flag and deadline.
 _CONSUMER_CHECK = 0.05
 
@@ -68,9 +70,9 @@ class _Stepper:
 
     def next(self) -> int:
         step = self._ctx.copy()
-        step.update(struct.pack("<Q", self._counter))
+        step.update(_LE64.pack(self._counter))
         token = step.intdigest() % VOCAB
-        self._ctx.update(struct.pack("<I", token))
+        self._ctx.update(_LE32.pack(token))
         self._counter = (self._counter + 1) & _U64
         return token
 
@@ -254,18 +256,34 @@ class MockDaemon(Daemon):
                     return None
                 if not self._wait_room(run):
                     return self._unadmitted(run)
-            batch: list[int] = []
-            while len(batch) < self._batch and len(run.tokens) + len(batch) < run.max_tokens:
-                if self._pause():
-                    return GenerationResult(run.tokens + batch, finish.CANCELLED)
-                if run.deadline is not None and time.monotonic() >= run.deadline:
-                    return GenerationResult([], finish.NONE, expired=True)
-                batch.append(run.stepper.next())
+            batch = self._step(run, min(self._batch, run.max_tokens - len(run.tokens)))
+            if isinstance(batch, GenerationResult):
+                return batch
             run.tokens += batch
             self._lanes.decoded(lane, len(batch), run.context_len())
             if not on_tokens(batch):
                 return GenerationResult(run.tokens, finish.CANCELLED)
         return GenerationResult(run.tokens, finish.NONE)
+
+    def _step(self, run: _Run, n: int) -> list[int] | GenerationResult:
+        """The next `n` tokens of `run`, or how it ended first: the engine closing (its delay
+        waited out before each token), or the deadline. Without a delay the checks are made once
+        a batch: a batch takes microseconds."""
+        step = run.stepper.next
+        if not self._delay:
+            if self._closed.is_set():
+                return GenerationResult(run.tokens, finish.CANCELLED)
+            if run.deadline is not None and time.monotonic() >= run.deadline:
+                return GenerationResult([], finish.NONE, expired=True)
+            return [step() for _ in range(n)]
+        batch: list[int] = []
+        for _ in range(n):
+            if self._pause():
+                return GenerationResult(run.tokens + batch, finish.CANCELLED)
+            if run.deadline is not None and time.monotonic() >= run.deadline:
+                return GenerationResult([], finish.NONE, expired=True)
+            batch.append(step())
+        return batch
 
     def _wait_for_consumer(self, run: _Run) -> bool:
         """Waits, holding no lane, until `run`'s consumer can take more; False when the engine
@@ -285,9 +303,7 @@ class MockDaemon(Daemon):
 
     def _pause(self) -> bool:
         """Waits out the per-token delay; True once the engine is closed."""
-        if self._delay:
-            return self._closed.wait(self._delay)
-        return self._closed.is_set()
+        return self._closed.wait(self._delay)
 
     def forward_stage(
         self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None

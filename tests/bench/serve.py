@@ -1,0 +1,430 @@
+"""The serve loop under load, against a real `superfluid-noded` process (issue 8).
+
+Prints one table, each figure measured side by side in this run:
+
+- mock streaming, 1 connection, against a bare-socket ceiling: one thread in a process of its
+  own that computes the same mock tokens and sends them in the same TOKEN_EVENTS frames (1,024
+  tokens at most, the same unacknowledged window) on one socket, reading the head's acks
+  (target ≥ 0.5×); and 8 connections together against 1 (target ≥ 1.0×). The head runs in a
+  process of its own and decodes and acknowledges every frame, for the node and the ceiling alike.
+- during a 1,000,000-token stream: how long a second GENERATE_REQ waits for its DECLINED and a
+  GENERATE_CANCEL for its CANCELLED (target < 50 ms each);
+- the node's CPU while 300 connections sit idle (target < 5 % of a core);
+- 40 connections that start 1M-token streams and never read: the node's RSS growth over 20 s
+  (target < 64 MB), how many it dropped after the write timeout, and the worst 16-token
+  generation of a head served meanwhile (target < 2 s); 4 heads that read and never
+  acknowledge: RSS growth (target < 64 MB);
+- torch `--model builtin`: time to first token over the wire against in process (target ≤
+  in process + 10 ms), and 8-lane decode over the wire against in process (target ≥ 0.95×).
+
+Exits 1 when a target is missed. `--quick` runs a smaller version of each row (CI-sized).
+Run: `make bench`, or .venv/bin/python tests/bench/serve.py [--quick]
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conformance.head import FleetHead  # noqa: E402
+from linkf.driver import Endpoint  # noqa: E402
+from linkf.errors import LinkFError  # noqa: E402
+from nodeagent.agent import EVENT_TOKENS_MAX, UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX  # noqa: E402
+from nodeagent.engine.mock import _Stepper  # noqa: E402
+from nodeagent.wal import GenParams  # noqa: E402
+from nodeproc import Noded  # noqa: E402
+from proto.linkf import (  # noqa: E402
+    TokenEvent,
+    TokenEventPayload,
+    TokenEventsMsg,
+    WatermarkAckMsg,
+    decode_payload,
+    msg_type,
+)
+
+QUICK = "--quick" in sys.argv
+STREAM_TOKENS = 300_000 if QUICK else 1_000_000
+PROMPT = [1, 2, 3, 4]
+
+
+@dataclass
+class Row:
+    name: str
+    value: str
+    target: str
+    ok: bool | None
+
+
+# ---- the head: decodes and acknowledges every frame ------------------------------------------
+
+
+def count_stream(endpoint: Endpoint, limit: int) -> tuple[int, float, float]:
+    """Reads TOKEN_EVENTS until a Finish or `limit` tokens, acknowledging each event; returns
+    (tokens, first token time, last time)."""
+    tokens, first = 0, None
+    while True:
+        for frame in endpoint.pump(1.0):
+            if frame.msg_type != msg_type.TOKEN_EVENTS:
+                continue
+            msg = decode_payload(frame.msg_type, frame.payload)
+            for ev in msg.events:
+                endpoint.send(
+                    msg_type.WATERMARK_ACK,
+                    WatermarkAckMsg(
+                        session_id=ev.session_id, epoch=ev.epoch, generation_id=ev.generation_id, watermark=ev.event_seq
+                    ),
+                )
+                if isinstance(ev.payload, TokenEventPayload.Tokens):
+                    first = first or time.monotonic()
+                    tokens += len(ev.payload.tokens)
+                else:
+                    return tokens, first, time.monotonic()
+        if tokens >= limit:
+            return tokens, first, time.monotonic()
+
+
+def node_stream(addr: str, session_id: int, n: int) -> tuple[int, float, float]:
+    head = FleetHead.connect(addr)
+    try:
+        head.assign(session_id, GenParams())
+        head.append(session_id, PROMPT)
+        head.request(session_id, n)
+        return count_stream(head.endpoint, n)
+    finally:
+        head.close()
+
+
+def bare_stream(addr: str, session_id: int, n: int) -> tuple[int, float, float]:
+    endpoint = Endpoint.connect_tcp(addr, 5.0)
+    try:
+        return count_stream(endpoint, n)
+    finally:
+        endpoint.close()
+
+
+def _client(kind: str, addr: str, conns: int, n: int, out) -> None:
+    stream = node_stream if kind == "node" else bare_stream
+    results: list = [None] * conns
+
+    def one(i: int) -> None:
+        results[i] = stream(addr, 1000 + i, n)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = sum(r[0] for r in results)
+    began = min(r[1] for r in results)
+    ended = max(r[2] for r in results)
+    out.put(total / (ended - began))
+
+
+def streaming_rate(kind: str, addr: str, conns: int, n: int) -> float:
+    """Tokens/s a head process streams over `conns` connections together."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_client, args=(kind, addr, conns, n, out))
+    p.start()
+    rate = out.get(timeout=600)
+    p.join()
+    return rate
+
+
+# ---- the ceiling: a bare socket loop ----------------------------------------------------------
+
+
+def _bare_server(port_out, n: int) -> None:
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_out.put(listener.getsockname()[1])
+    while True:
+        sock, _ = listener.accept()
+        threading.Thread(target=_bare_serve, args=(Endpoint.from_tcp(sock), n), daemon=True).start()
+
+
+def _bare_serve(endpoint: Endpoint, n: int) -> None:
+    stepper, seq, sent, acked = _Stepper(PROMPT, 0), 0, 0, -1
+
+    def window_full() -> bool:
+        unacked = seq - acked - 1
+        return unacked >= UNACKED_EVENTS_MAX or unacked * EVENT_TOKENS_MAX >= UNACKED_TOKENS_MAX
+
+    try:
+        while sent < n:
+            for frame in endpoint.pump(1.0 if window_full() else 0.0):
+                if frame.msg_type == msg_type.WATERMARK_ACK:
+                    acked = decode_payload(frame.msg_type, frame.payload).watermark
+            if window_full():
+                continue
+            batch = [stepper.next() for _ in range(min(EVENT_TOKENS_MAX, n - sent))]
+            _send_event(endpoint, seq, TokenEventPayload.Tokens(tokens=batch))
+            seq, sent = seq + 1, sent + len(batch)
+        _send_event(endpoint, seq, TokenEventPayload.Finish(reason=2))
+        endpoint.wait_frames()
+    except LinkFError:
+        pass
+    finally:
+        endpoint.close()
+
+
+def _send_event(endpoint: Endpoint, seq: int, payload) -> None:
+    event = TokenEvent(session_id=1, epoch=1, generation_id=1, event_seq=seq, payload=payload)
+    endpoint.send(msg_type.TOKEN_EVENTS, TokenEventsMsg(events=[event]))
+
+
+def start_bare(n: int):
+    ctx = multiprocessing.get_context("fork")
+    port = ctx.Queue()
+    p = ctx.Process(target=_bare_server, args=(port, n), daemon=True)
+    p.start()
+    return p, f"127.0.0.1:{port.get(timeout=10)}"
+
+
+# ---- the node process --------------------------------------------------------------------------
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_node(home: Path, *args: str) -> Noded:
+    return Noded(["--listen", "127.0.0.1:0", "--max-connections", "512", *args], home)
+
+
+# ---- rows ----------------------------------------------------------------------------------------
+
+
+def streaming_rows(home: Path) -> list[Row]:
+    bare, bare_addr = start_bare(STREAM_TOKENS)
+    node = start_node(home, "--runtime", "mock")
+    try:
+        ceiling = streaming_rate("bare", bare_addr, 1, STREAM_TOKENS)
+        one = streaming_rate("node", node.addr, 1, STREAM_TOKENS)
+        eight = streaming_rate("node", node.addr, 8, STREAM_TOKENS // 8)
+    finally:
+        node.kill()
+        bare.kill()
+    return [
+        Row("mock stream, bare-socket ceiling", f"{ceiling:,.0f} tok/s", "", None),
+        Row("mock stream, 1 connection", f"{one:,.0f} tok/s = {one / ceiling:.2f}x ceiling", ">= 0.5x", one / ceiling >= 0.5),
+        Row("mock stream, 8 connections", f"{eight:,.0f} tok/s = {eight / one:.2f}x 1 conn", ">= 1.0x", eight / one >= 1.0),
+    ]
+
+
+def answer_rows(home: Path) -> list[Row]:
+    node = start_node(home, "--runtime", "mock")
+    declines, cancels = [], []
+    try:
+        for trial in range(3 if QUICK else 5):
+            with FleetHead.connect(node.addr) as head:
+                head.assign(trial + 1, GenParams())
+                head.append(trial + 1, PROMPT)
+                stream = head.request(trial + 1, 1_000_000)
+                key = (trial + 1, stream.generation_id)
+                head.until(lambda: key in head.generations and len(head.generations[key].tokens) >= 20_000, 30, "tokens")
+                second = head.request(trial + 1, 16)
+                t = time.monotonic()
+                head.until(lambda: head.finished((trial + 1, second.generation_id)), 30, "the decline")
+                declines.append(time.monotonic() - t)
+                head.cancel(stream)
+                t = time.monotonic()
+                head.until(lambda: head.finished(key), 30, "the cancel")
+                cancels.append(time.monotonic() - t)
+    finally:
+        node.kill()
+    worst_d, worst_c = max(declines) * 1000, max(cancels) * 1000
+    return [
+        Row("1M stream: GENERATE_REQ -> DECLINED", f"median {statistics.median(declines) * 1000:.1f} ms, worst {worst_d:.1f} ms", "< 50 ms", worst_d < 50),
+        Row("1M stream: GENERATE_CANCEL -> CANCELLED", f"median {statistics.median(cancels) * 1000:.1f} ms, worst {worst_c:.1f} ms", "< 50 ms", worst_c < 50),
+    ]
+
+
+def idle_rows(home: Path) -> list[Row]:
+    n, seconds = (100, 5.0) if QUICK else (300, 10.0)
+    node = start_node(home, "--runtime", "mock")
+    heads = []
+    try:
+        for _ in range(n):
+            heads.append(FleetHead.connect(node.addr))
+        time.sleep(1.0)
+        pid = node.proc.pid
+        before, t = cpu_s(pid), time.monotonic()
+        time.sleep(seconds)
+        share = (cpu_s(pid) - before) / (time.monotonic() - t)
+    finally:
+        for h in heads:
+            h.close()
+        node.kill()
+    return [Row(f"{n} idle connections: node CPU", f"{share * 100:.2f} % of a core", "< 5 %", share < 0.05)]
+
+
+def deaf_rows(home: Path) -> list[Row]:
+    deaf_n, seconds = (10, 8.0) if QUICK else (40, 20.0)
+    timeout_ms = 3000 if QUICK else 10_000
+    node = start_node(home, "--runtime", "mock", "--write-timeout-ms", str(timeout_ms))
+    pid = node.proc.pid
+    deaf, worst, peak = [], 0.0, 0.0
+    try:
+        with FleetHead.connect(node.addr) as good:
+            good.assign(1, GenParams())
+            good.append(1, PROMPT)
+            good.generate(1, 16)
+            base = rss_mb(pid)
+            for i in range(deaf_n):
+                h = FleetHead.connect(node.addr)
+                h.lose_events = True
+                h.assign(100 + i, GenParams())
+                h.append(100 + i, PROMPT)
+                h.request(100 + i, 1_000_000)
+                deaf.append(h)
+            began = time.monotonic()
+            while time.monotonic() - began < seconds:
+                t = time.monotonic()
+                good.generate(1, 16, timeout=30)
+                worst = max(worst, time.monotonic() - t)
+                peak = max(peak, rss_mb(pid))
+            good.idle(2.5)
+            status = good.of_type(msg_type.NODE_STATUS)[-1].msg.capacity
+        dropped = sum(h.closed_by_node(1.0) for h in deaf)
+        growth = peak - base
+    finally:
+        for h in deaf:
+            h.close()
+        node.kill()
+    rows = [
+        Row(f"{deaf_n} heads that never read, {seconds:.0f} s: RSS growth", f"{growth:.1f} MB", "< 64 MB", growth < 64),
+        Row("  dropped after the write timeout", f"{dropped} of {deaf_n}; then lanes {status.lanes_active}, KV blocks {status.kv_blocks_used}", f"{deaf_n}; 0; 0", dropped == deaf_n and status.lanes_active == 0 and status.kv_blocks_used == 0),
+        Row("  a good head meanwhile: worst 16-token generation", f"{worst * 1000:.0f} ms", "< 2 s", worst < 2.0),
+    ]
+    return rows + never_ack_rows(home)
+
+
+def never_ack_rows(home: Path) -> list[Row]:
+    node = start_node(home, "--runtime", "mock")
+    pid = node.proc.pid
+    heads = []
+    try:
+        base = peak = rss_mb(pid)
+        for i in range(4):
+            h = FleetHead.connect(node.addr)
+            h.lose_events = True
+            h.assign(i + 1, GenParams())
+            h.append(i + 1, PROMPT)
+            h.request(i + 1, 1_000_000)
+            heads.append(h)
+        began = time.monotonic()
+        while time.monotonic() - began < (3.0 if QUICK else 8.0):
+            for h in heads:
+                try:
+                    h.pump()
+                except LinkFError:
+                    pass
+            peak = max(peak, rss_mb(pid))
+    finally:
+        for h in heads:
+            h.close()
+        node.kill()
+    return [Row("4 heads that read and never acknowledge: RSS growth", f"{peak - base:.1f} MB", "< 64 MB", peak - base < 64)]
+
+
+def torch_rows(home: Path) -> list[Row]:
+    from nodeagent.daemon import GenExtras
+    from nodeagent.engine.torch_engine import TorchDaemon
+
+    prompt = list(range(1, 33))
+    new, lanes, trials = 64, 8, 3 if QUICK else 5
+    daemon = TorchDaemon.load("builtin", device="cpu", max_batch=lanes)
+    try:
+        ttft_local = []
+        for _ in range(trials):
+            first: list[float] = []
+            t = time.monotonic()
+            daemon.generate_tokens_streaming(prompt, GenParams(), 1, 0, GenExtras(), lambda b: first.append(time.monotonic()) or True)
+            ttft_local.append(first[0] - t)
+        local_rate = _parallel_rate(lambda i: len(daemon.generate_tokens_streaming(prompt + [i], GenParams(), new, 0, GenExtras(), lambda b: True).tokens), lanes)
+    finally:
+        daemon.close()
+    node = start_node(home, "--model", "builtin", "--device", "cpu", "--max-batch", str(lanes))
+    try:
+        ttft_wire = []
+        with FleetHead.connect(node.addr) as head:
+            head.assign(1, GenParams())
+            head.append(1, prompt)
+            for _ in range(trials):
+                req = head.request(1, 1)
+                t = time.monotonic()
+                head.until(lambda: head.generations.get((1, req.generation_id)) and head.generations[(1, req.generation_id)].tokens, 30, "a token")
+                ttft_wire.append(time.monotonic() - t)
+                head.collect(req)
+        heads = [FleetHead.connect(node.addr) for _ in range(lanes)]
+        for i, h in enumerate(heads):
+            h.assign(10 + i, GenParams())
+            h.append(10 + i, prompt + [i])
+        wire_rate = _parallel_rate(lambda i: len(heads[i].generate(10 + i, new, timeout=120).tokens), lanes)
+        for h in heads:
+            h.close()
+    finally:
+        node.kill()
+    local, wire = statistics.median(ttft_local) * 1000, statistics.median(ttft_wire) * 1000
+    return [
+        Row("torch builtin: time to first token", f"wire {wire:.1f} ms, in process {local:.1f} ms", "<= in process + 10 ms", wire <= local + 10),
+        Row(f"torch builtin: {lanes}-lane decode", f"wire {wire_rate:.0f} tok/s, in process {local_rate:.0f} tok/s = {wire_rate / local_rate:.2f}x", ">= 0.95x", wire_rate / local_rate >= 0.95),
+    ]
+
+
+def _parallel_rate(one, n: int) -> float:
+    counts = [0] * n
+
+    def run(i: int) -> None:
+        counts[i] = one(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    t = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return sum(counts) / (time.monotonic() - t)
+
+
+def main() -> int:
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        for part in (streaming_rows, answer_rows, idle_rows, deaf_rows, torch_rows):
+            print(f"... {part.__name__}", file=sys.stderr, flush=True)
+            rows += part(home)
+    width = max(len(r.name) for r in rows)
+    vwidth = max(len(r.value) for r in rows)
+    print(f"\nserve loop ({'quick' if QUICK else 'full'})")
+    for r in rows:
+        mark = "" if r.ok is None else ("ok" if r.ok else "MISSED")
+        print(f"{r.name:<{width}}  {r.value:<{vwidth}}  {r.target:<22} {mark}")
+    return 0 if all(r.ok is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
