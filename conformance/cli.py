@@ -19,9 +19,23 @@ from conformance import replay
 from conformance.scenario import SCENARIOS, Target
 from conformance.suite import UnknownScenario, junit, passed, run_suite, table
 from linkf import transcript
-from nodeagent.cli import Exit, read_auth_file
+from linkf.secure import read_token
 
 PROGRAM = "superfluid-conformance"
+
+
+class OptionError(ValueError):
+    """An option the command cannot use; the message says which and why."""
+
+
+def auth_from(auth_file: str | None) -> bytes:
+    """The fleet token in `--auth-file`, or none."""
+    if auth_file is None:
+        return b""
+    try:
+        return read_token(auth_file)
+    except OSError as e:
+        raise OptionError(f"cannot read --auth-file {auth_file}: {e.strerror or e}") from None
 
 
 def suite_parser() -> argparse.ArgumentParser:
@@ -59,16 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["show"]:
             return run_show(show_parser().parse_args(argv[1:]))
         return run_checks(suite_parser().parse_args(argv))
-    except Exit as e:
-        print(f"{PROGRAM}: {e.message}", file=sys.stderr)
-        return e.code
-    except (UnknownScenario, transcript.TranscriptError, OSError) as e:
+    except (OptionError, UnknownScenario, transcript.TranscriptError, OSError) as e:
         print(f"{PROGRAM}: {e}", file=sys.stderr)
         return 2
-
-
-def token(auth_file: str | None) -> bytes:
-    return b"" if auth_file is None else read_auth_file(auth_file)
 
 
 def run_checks(args: argparse.Namespace) -> int:
@@ -77,7 +84,7 @@ def run_checks(args: argparse.Namespace) -> int:
             print(f"{s.name:<32} {'(--mock) ' if s.mock else ''}{s.doc}")
         return 0
     only = [name for names in args.only or () for name in names.split(",") if name]
-    target = Target(args.target, token(args.auth_file), args.mock, args.timeout)
+    target = Target(args.target, auth_from(args.auth_file), args.mock, args.timeout)
     outcomes = run_suite(target, only)
     print(table(outcomes))
     if args.junit:
@@ -86,7 +93,7 @@ def run_checks(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    differences = replay.replay(transcript.read(args.file), args.target, token(args.auth_file), args.timeout)
+    differences = replay.replay(transcript.read(args.file), args.target, auth_from(args.auth_file), args.timeout)
     for d in differences:
         print(d)
     print(f"{len(differences)} difference(s) replaying {args.file} against {args.target}")

@@ -17,9 +17,9 @@ import argparse
 import sys
 import time
 
+from conformance.cli import OptionError, auth_from
 from conformance.head import FleetHead, HeadTimeout, clock_id, reason
 from linkf.errors import LinkFError
-from nodeagent.cli import Exit, read_auth_file
 from nodeagent.wal import GenParams
 from proto.handshake import CapacitySummary
 from proto.linkf import msg_type
@@ -59,12 +59,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        auth = b"" if args.auth_file is None else read_auth_file(args.auth_file)
+        auth = auth_from(args.auth_file)
         with FleetHead.connect(args.target, auth=auth, timeout=args.timeout) as head:
             return COMMANDS[args.command](head, args)
-    except Exit as e:
-        print(f"{PROGRAM}: {e.message}", file=sys.stderr)
-        return e.code
+    except OptionError as e:
+        print(f"{PROGRAM}: {e}", file=sys.stderr)
+        return 2
     except (LinkFError, HeadTimeout, OSError) as e:
         print(f"{PROGRAM}: {args.target}: {e}", file=sys.stderr)
         return 1
@@ -133,7 +133,7 @@ def text_prompt(args: argparse.Namespace, advertised: list[str]):
     `make run`'s smollm2-135m-instruct, or a path that is also valid here)."""
     model = args.model or (advertised[0] if advertised else None)
     if model is None:
-        raise Exit(2, "--text and --chat need --model, the model the node serves, for its tokenizer")
+        raise OptionError("--text and --chat need --model, the model the node serves, for its tokenizer")
     from conformance.text import TextCodecError, load_text_codec  # here: it needs `tokenizers`
 
     try:
@@ -143,7 +143,7 @@ def text_prompt(args: argparse.Namespace, advertised: list[str]):
         return codec, codec.encode(args.text)
     except TextCodecError as e:
         hint = "" if args.model else f" (the node serves {model!r}; pass --model with its tokenizer's directory, GGUF or alias)"
-        raise Exit(2, f"{e}{hint}") from None
+        raise OptionError(f"{e}{hint}") from None
 
 
 def token_printer(codec):

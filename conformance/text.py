@@ -10,10 +10,10 @@ chat messages with the template as `transformers` does (a sandboxed Jinja enviro
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nodeagent.gguf_header import GGUFHeaderError, read_header
 from nodeagent.models import AliasUnavailable, is_gguf, resolve
 
 #: llama.cpp's token types: normal, unknown, control, user-defined, unused, byte.
@@ -131,7 +131,10 @@ def directory_codec(directory: Path) -> TextCodec:
 
 def gguf_codec(path: Path) -> TextCodec:
     """The GGUF's own byte-level BPE vocabulary and merges, its chat template and BOS/EOS."""
-    fields = gguf_metadata(path)
+    try:
+        fields = read_header(path, with_tensors=False).metadata
+    except GGUFHeaderError as e:
+        raise TextCodecError(str(e)) from None
 
     def get(key: str, default=None):
         return fields.get(key, default)
@@ -152,52 +155,6 @@ def gguf_codec(path: Path) -> TextCodec:
         eos_token=None if eos is None else tokens[eos],
         add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
     )
-
-
-#: GGUF metadata value types: struct formats of the scalars; 8 is a string, 9 an array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-def gguf_metadata(path: Path) -> dict:
-    """A GGUF file's metadata (its header's key/value section) as plain Python values.
-
-    The gguf package's reader builds a numpy view per array element and takes seconds over a
-    vocabulary of 50,000 tokens; a client needs only this section, read here in one pass."""
-    with open(path, "rb") as f:
-        head = f.read(24)
-        if len(head) < 24 or head[:4] != b"GGUF":
-            raise TextCodecError(f"{path} is not a GGUF file")
-        count = struct.unpack_from("<Q", head, 16)[0]
-        reader = _Reader(f)
-        return {reader.string(): reader.value(reader.scalar("I")) for _ in range(count)}
-
-
-class _Reader:
-    """Little-endian GGUF values from a file, read sequentially."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def scalar(self, fmt: str):
-        size = struct.calcsize(fmt)
-        return struct.unpack("<" + fmt, self.f.read(size))[0]
-
-    def string(self) -> str:
-        return self.f.read(self.scalar("Q")).decode("utf-8", errors="replace")
-
-    def value(self, kind: int):
-        if kind in _SCALARS:
-            return self.scalar(_SCALARS[kind])
-        if kind == _STRING:
-            return self.string()
-        if kind == _ARRAY:
-            item, n = self.scalar("I"), self.scalar("Q")
-            if item in _SCALARS:
-                fmt = _SCALARS[item]
-                return list(struct.unpack(f"<{n}{fmt}", self.f.read(n * struct.calcsize(fmt))))
-            return [self.value(item) for _ in range(n)]
-        raise TextCodecError(f"GGUF metadata value type {kind} is unknown")
 
 
 def bpe_tokenizer(tokens: list[str], merges: list[str], types: list[int], pre: str):

@@ -12,6 +12,7 @@ import hashlib
 import socket
 import struct
 import time
+from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from noise.connection import NoiseConnection
@@ -26,6 +27,8 @@ MAX_MESSAGE = 65535
 TAG = 16
 MAX_PLAINTEXT = MAX_MESSAGE - TAG
 _LEN = struct.Struct(">H")
+#: ASCII whitespace as Rust's `trim_ascii` sees it (no vertical tab), trimmed off a token.
+ASCII_WHITESPACE = b" \t\n\r\x0c"
 #: What a node says of a peer that speaks another protocol to its Link F port.
 LINKF_ONLY = "this port speaks Link F (a node's Prometheus metrics are on its --metrics-listen port)"
 # What a wrong pre-shared key (or a message too short to be Noise) surfaces as, from
@@ -36,6 +39,12 @@ _REFUSED = (InvalidTag, NoiseInvalidMessage, NoiseValueError)
 class NoiseRole(enum.Enum):
     Initiator = "initiator"
     Responder = "responder"
+
+
+def read_token(path: str | Path) -> bytes:
+    """The fleet token in the file at ``path``: its bytes, ASCII whitespace trimmed (as the
+    Rust node reads it). An unreadable file is the ``OSError``."""
+    return Path(path).read_bytes().strip(ASCII_WHITESPACE)
 
 
 def key_from(secret: bytes) -> bytes:

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from linkf.secure import ASCII_WHITESPACE, read_token
 from nodeagent import logs
 from nodeagent.engine import DTYPES, RUNTIMES
 from nodeagent.models import ALIASES, is_gguf
@@ -29,8 +30,6 @@ DEFAULT_MOCK_CONTEXT = 4096
 MIN_CONTEXT = 512
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 LOG_FORMATS = ("text", "json")
-#: ASCII whitespace as Rust's `trim_ascii` sees it (no vertical tab).
-ASCII_WHITESPACE = b" \t\n\r\x0c"
 
 USAGE = f"""\
 usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>] \
@@ -338,7 +337,7 @@ def fleet_token(opts: Options) -> bytes:
 def read_auth_file(path: str) -> bytes:
     """The token in `path`, ASCII whitespace trimmed; Exit(1) when it cannot be read."""
     try:
-        return Path(path).read_bytes().strip(ASCII_WHITESPACE)
+        return read_token(path)
     except OSError as e:
         raise Exit(1, f"cannot read --auth-file {path}: {_os_error(e)}") from None
 

@@ -1,7 +1,10 @@
 """The kit's head client and `superfluid-client`: every wait bounded by its own exception, heads
 that share nothing, streaming, and the client's three commands against a real node."""
 
+import ast
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -106,3 +109,14 @@ def test_the_client_fails_with_one_line_when_no_node_answers(capsys):
     assert client.main(["hello", addr, "--timeout", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"superfluid-client: {addr}: ") and err.count("\n") == 1
+
+
+def test_the_kit_never_imports_the_nodes_agent_or_engine():
+    """A kit that checked the node with the node's own code would prove nothing."""
+    code = (
+        "import sys, conformance.cli, conformance.client, conformance.suite, conformance.replay; "
+        "print(sorted(m for m in sys.modules if m.startswith(('nodeagent', 'torch'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    loaded = ast.literal_eval(out.stdout)
+    assert not [m for m in loaded if m.startswith(("nodeagent.agent", "nodeagent.engine", "nodeagent.daemon", "torch"))], loaded

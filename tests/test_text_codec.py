@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conformance.text import StreamDecoder, TextCodecError, gguf_metadata, load_text_codec
+from conformance.text import StreamDecoder, TextCodecError, load_text_codec
 from gguf_fixtures import CHAT_TEMPLATE, CONFIG_FOR_VOCAB, train_vocab
 from nodeagent import models
 
@@ -62,15 +62,6 @@ def test_gguf_chat_template_renders_as_transformers(gguf_path, theirs):
     for messages in MESSAGES:
         expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert codec.chat(messages) == expected
-
-
-def test_metadata_reader_agrees_with_the_gguf_package(gguf_path):
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf_path)).fields
-    ours = gguf_metadata(gguf_path)
-    assert ours.keys() == {k for k in fields if not k.startswith("GGUF.")}
-    assert all(ours[k] == fields[k].contents() for k in ours)
 
 
 def test_a_directory_with_tokenizer_json_and_its_config(tmp_path, gguf_path):

@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp, Ollama): the config from the file's metadata and its tensors
 dequantized, renamed and reordered into the Hugging Face layout `LlamaModel.from_source` reads.
 
-The `gguf` package reads the file and dequantizes every tensor type it knows; each tensor is
-copied out of the file's memory map as it is converted, so once loading ends nothing stays
-mapped. llama.cpp stores Llama's q/k rows permuted for its rotary kernel; they are put back in
+The header is read by `nodeagent.gguf_header`, the tensors dequantized by the `gguf` package
+(every type it knows); each tensor is copied out of the file's memory map as it is converted,
+so once loading ends nothing stays mapped. llama.cpp stores Llama's q/k rows permuted for its rotary kernel; they are put back in
 Hugging Face's order here so one code path builds every model.
 """
 
@@ -18,6 +18,7 @@ import torch
 from nodeagent.engine import ModelLoadError
 from nodeagent.engine.loader import Progress, check_config, checked, refuse_unused
 from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_header
 
 #: GGUF architectures whose tensors and maths are our decoder's, and whether llama.cpp's
 #: converter permuted their q/k rows (it does so for Llama only).
@@ -59,14 +60,12 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype, device: torch.device)
         source.close()
 
 
-def _open_reader(path: Path):
-    from gguf import GGUFReader
-
+def _read_header(path: Path) -> GGUFHeader:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     try:
-        return GGUFReader(str(path))
-    except Exception as e:  # a truncated or foreign file: the reader raises several kinds
+        return read_header(path)
+    except GGUFHeaderError as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
 
 
@@ -75,15 +74,18 @@ class GGUFSource:
 
     def __init__(self, path: Path):
         self.path = path
-        self._reader = _open_reader(path)
-        self._tensors = {_hf_name(t.name): t for t in self._reader.tensors}
-        self.arch = metadata(self._reader, "general.architecture", str)
+        header = _read_header(path)
+        self._metadata = header.metadata
+        self._tensors = {_hf_name(t.name): t for t in header.tensors}
+        self._data_offset = header.data_offset
+        self._map = np.memmap(path, mode="r")
+        self.arch = metadata(self._metadata, "general.architecture", str)
         if self.arch not in ARCHITECTURES:
             raise ModelLoadError(
                 f"{path}: GGUF architecture {self.arch!r} is not a decoder this engine runs "
                 f"(supported: {', '.join(ARCHITECTURES)})"
             )
-        self.config = config_from_gguf(self._reader, self.arch, self._tensors)
+        self.config = config_from_gguf(self._metadata, self.arch, self._tensors)
         self.used: set[str] = set()
         self._progress = Progress(len(self._tensors))
 
@@ -96,9 +98,8 @@ class GGUFSource:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self._tensors:
             raise ModelLoadError(f"{self.path} lacks tensor {gguf_name(name)!r}")
-        tensor = self._tensors[name]
-        values = _dequantized(self.path, tensor, self._reader.data)
-        values = checked(tensor.name, torch.from_numpy(values), shape)
+        info = self._tensors[name]
+        values = checked(info.name, torch.from_numpy(self._dequantized(info)), shape)
         if ARCHITECTURES[self.arch] and (".q_proj." in name or ".k_proj." in name):
             heads = self.config.n_heads if ".q_proj." in name else self.config.n_kv_heads
             values = unpermute_rotary_rows(values, heads)
@@ -106,28 +107,38 @@ class GGUFSource:
         self._progress.step()
         return values
 
+    def _dequantized(self, info: TensorInfo) -> np.ndarray:
+        """The tensor as float32 [rows, columns] in memory of its own, never a view of the file."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        try:
+            qtype = GGMLQuantizationType(info.type)
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} has unknown type {info.type}") from None
+        shape = [int(n) for n in reversed(info.shape)]
+        row_bytes = shape[-1] // block * block_bytes
+        start = self._data_offset + info.offset
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        # A plain ndarray view: numpy's memmap subclass costs a call on every slice gguf takes.
+        raw = self._map[start : start + rows * row_bytes].view(np.ndarray)
+        if raw.size != rows * row_bytes:
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} lies past the end of the file")
+        try:
+            values = dequantize(raw.reshape(rows, row_bytes), qtype)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{self.path}: tensor {info.name!r} has type {qtype.name}, which cannot be "
+                f"dequantized (supported: the float and quantized types of the gguf package)"
+            ) from None
+        values = values.reshape(shape).astype(np.float32, copy=False)
+        return values.copy() if np.may_share_memory(values, self._map) else values
+
     def close(self) -> None:
         self._tensors.clear()
-        self._reader = None
+        self._map = None
         self._progress.done()
-
-
-def _dequantized(path: Path, tensor, mapped: np.ndarray) -> np.ndarray:
-    """The tensor as float32 [rows, columns] in memory of its own, never a view of the file."""
-    from gguf.quants import dequantize
-
-    try:
-        values = dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise ModelLoadError(
-            f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be "
-            f"dequantized (supported: the float and quantized types of the gguf package)"
-        ) from None
-    shape = [int(n) for n in reversed(tensor.shape)]
-    values = values.reshape(shape).astype(np.float32, copy=False)
-    if np.may_share_memory(values, mapped):
-        values = values.copy()
-    return values
 
 
 def unpermute_rotary_rows(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -155,14 +166,13 @@ def gguf_name(hf_name: str) -> str:
     return _GLOBAL_GGUF.get(hf_name, hf_name)
 
 
-def metadata(reader, key: str, kind: type, default=None):
+def metadata(fields: dict, key: str, kind: type, default=None):
     """One metadata value, checked for its type; ModelLoadError when required and absent."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in fields:
         if default is None:
             raise ModelLoadError(f"GGUF metadata lacks {key}")
         return default
-    value = field.contents()
+    value = fields[key]
     if kind is float and isinstance(value, int):
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
@@ -170,11 +180,11 @@ def metadata(reader, key: str, kind: type, default=None):
     return value
 
 
-def config_from_gguf(reader, arch: str, tensors: dict) -> ModelConfig:
+def config_from_gguf(fields: dict, arch: str, tensors: dict) -> ModelConfig:
     """The engine's config from `{arch}.*` metadata; tied output when there is no output.weight."""
 
     def get(key: str, kind: type, default=None):
-        return metadata(reader, f"{arch}.{key}", kind, default)
+        return metadata(fields, f"{arch}.{key}", kind, default)
 
     if get("expert_count", int, 0) > 0:
         raise ModelLoadError(f"GGUF {arch} with experts (mixture of experts) is not supported")
@@ -203,7 +213,7 @@ def config_from_gguf(reader, arch: str, tensors: dict) -> ModelConfig:
         rope_scaling=_rope_scaling(get),
         max_position_embeddings=get("context_length", int, 2048),
         tie_word_embeddings="lm_head.weight" not in tensors,
-        eos_token_ids=_end_tokens(reader),
+        eos_token_ids=_end_tokens(fields),
         sliding_window=get("attention.sliding_window", int, 0) or None,
     )
     check_config(config, f"GGUF {arch}")
@@ -221,7 +231,7 @@ def _rope_scaling(get) -> dict | None:
     return scaling
 
 
-def _end_tokens(reader) -> tuple[int, ...]:
+def _end_tokens(fields: dict) -> tuple[int, ...]:
     """End of text and end of turn: a chat model stops at either."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    return tuple(sorted({metadata(reader, key, int) for key in keys if key in reader.fields}))
+    return tuple(sorted({metadata(fields, key, int) for key in keys if key in fields}))
