@@ -199,6 +199,15 @@ def test_damaged_checkpoint_fails_naming_the_problem(tmp_path, tensors, damage, 
     assert message in str(caught.value)
 
 
+def test_no_checkpoint_file_stays_mapped_once_loaded(tmp_path, tensors):
+    """safetensors hands out views of its file map; the loader copies each weight out of it."""
+    directory = write_checkpoint(tmp_path / "unmapped", TINY, tensors, shards=2)
+    model = loader.load_model(directory, torch.float32, torch.device("cpu"))
+    with open("/proc/self/maps") as maps:
+        assert str(directory) not in maps.read()
+    assert model.config.n_layers == TINY.n_layers
+
+
 def test_missing_directory_is_a_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load(tmp_path / "nowhere")
