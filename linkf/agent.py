@@ -75,6 +75,8 @@ class _GenerationCtx:
     retry: RetryBuffer = field(default_factory=RetryBuffer)
     #: Tokens in the events ``retry`` holds.
     unacked_tokens: int = 0
+    #: Its Finish has been emitted: once the head has acknowledged everything, it is forgotten.
+    finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,15 +163,21 @@ class AgentSession:
             payload=payload,
         )
         g.next_seq += 1
+        g.finished = isinstance(payload, TokenEventPayload.Finish)
         g.retry.push(event.event_seq, event)
         g.unacked_tokens += _token_count(event)
         return TokenEventsMsg(events=[event])
 
     def on_watermark_ack(self, msg: WatermarkAckMsg) -> None:
-        """Drops the events the head has committed."""
-        g = self._generations.get((msg.session_id, msg.generation_id))
+        """Drops the events the head has committed, and a finished generation once the head
+        has committed all of it: nothing of it can be asked for again, and a session that
+        lives long would otherwise keep every generation it ever ran."""
+        key = (msg.session_id, msg.generation_id)
+        g = self._generations.get(key)
         if g is not None and g.epoch == msg.epoch:
             g.unacked_tokens -= sum(map(_token_count, g.retry.ack(msg.watermark)))
+            if g.finished and not len(g.retry):
+                del self._generations[key]
 
     def needs_renew(self, now: int) -> list[LeaseRenewMsg]:
         """A renewal for every live session past its renew-by point and not yet expired."""

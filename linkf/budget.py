@@ -1,9 +1,11 @@
 """One budget for the bytes every endpoint of a process holds for frames not yet complete.
 
 A frame may legally be 16 MiB, and its bytes sit in the reader's buffer until the last one
-arrives; forty peers sending such frames slowly held 682 MB. Each endpoint's ``Holding`` says
-how many bytes its decoder holds after each read, and the holding that would take the process
-past the budget is refused: its endpoint fails that link (``Envelope``), the others go on.
+arrives; forty peers sending such frames slowly held 682 MB. Each endpoint's ``Holding`` says,
+after each read, how many bytes the frame it is receiving takes once whole (as its header
+announces), and the holding that would take the process past the budget is refused: its
+endpoint fails that link (``Envelope``), the others go on. Reserving the whole frame at its
+header means a frame let start always finishes.
 """
 
 from __future__ import annotations

@@ -382,10 +382,10 @@ class Endpoint:
                     self.recorder("received", frame)
         except EnvelopeError as e:
             raise Envelope(str(e), peer=self.peer) from e
-        if not self._holding.hold(self._decoder.buffered()):
+        if not self._holding.hold(self._decoder.incomplete()):
             raise Envelope(
-                f"{self._decoder.buffered()} bytes of an incomplete frame would pass the node's "
-                "budget for buffered frames",
+                f"a frame of {self._decoder.incomplete()} bytes would pass the node's budget for "
+                "buffered frames",
                 peer=self.peer,
             )
         return frames

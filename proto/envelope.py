@@ -147,6 +147,16 @@ class FrameDecoder:
         """Bytes fed but not yet decoded: the start of a frame still incomplete."""
         return len(self._buf) - self._pos
 
+    def incomplete(self):
+        """Bytes the frame being received takes once whole, its length prefix included, as its
+        header announces; what is buffered while the prefix is not in yet; 0 between frames.
+        A reader reserves this much, so a frame it has let start can always finish."""
+        buffered = self.buffered()
+        if buffered < 4:
+            return buffered
+        (length,) = _PREFIX.unpack_from(self._buf, self._pos)
+        return max(buffered, 4 + length)
+
     def peek(self, n):
         """The first `n` bytes not yet decoded (fewer when fewer are buffered)."""
         return bytes(self._buf[self._pos : self._pos + n])

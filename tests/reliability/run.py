@@ -1,0 +1,41 @@
+"""`make reliability`: every row at its full size against a node process each, then the table;
+exit 1 unless every row is clean (0 lost, 0 duplicated, 0 crashes, 0 wrong answers, memory
+back to its baseline). A few minutes on 2 cores."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
+
+import scenarios  # noqa: E402
+from harness import Row, table  # noqa: E402
+
+#: Each row and its full size (the issue's minimums or more).
+FULL = [
+    (scenarios.cuts, {"trials": 500}),
+    (scenarios.fuzz, {"frames": 20_000}),
+    (scenarios.slow_peers, {"peers": 300}),
+    (scenarios.auth, {"probes": 100}),
+    (scenarios.leases, {"sessions": 200}),
+    (scenarios.drain, {"heads": 8}),
+    (scenarios.bounds, {"sessions": 10_000, "big_frames": 40}),
+]
+
+
+def main() -> int:
+    rows = []
+    for scenario, size in FULL:
+        print(f"running {scenario.__name__} {size} ...", file=sys.stderr, flush=True)
+        try:
+            rows.append(scenario(**size))
+        except Exception as e:  # noqa: BLE001 - a row that could not run is a failed row
+            rows.append(Row(scenario.__name__, str(size), 0, wrong=1, notes=[f"{type(e).__name__}: {e}"]))
+    print(table(rows))
+    return 0 if all(r.clean() for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
