@@ -11,15 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent / "reliability"))
 import scenarios  # noqa: E402
 from harness import table  # noqa: E402
 
-SHORT = [
-    (scenarios.cuts, {"trials": 20}),
-    (scenarios.fuzz, {"frames": 600}),
-    (scenarios.slow_peers, {"peers": 60}),
-    (scenarios.auth, {"probes": 8}),
-    (scenarios.leases, {"sessions": 10}),
-    (scenarios.drain, {"heads": 2}),
-    (scenarios.bounds, {"sessions": 500, "big_frames": 4}),
-]
+SHORT = [(scenario, short) for scenario, _, short in scenarios.ROWS]
 
 
 @pytest.mark.parametrize("scenario, size", SHORT, ids=[s.__name__ for s, _ in SHORT])

@@ -13,21 +13,10 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 import scenarios  # noqa: E402
 from harness import Row, table  # noqa: E402
 
-#: Each row and its full size (the issue's minimums or more).
-FULL = [
-    (scenarios.cuts, {"trials": 500}),
-    (scenarios.fuzz, {"frames": 20_000}),
-    (scenarios.slow_peers, {"peers": 300}),
-    (scenarios.auth, {"probes": 100}),
-    (scenarios.leases, {"sessions": 200}),
-    (scenarios.drain, {"heads": 8}),
-    (scenarios.bounds, {"sessions": 10_000, "big_frames": 40}),
-]
-
 
 def main() -> int:
     rows = []
-    for scenario, size in FULL:
+    for scenario, size, _ in scenarios.ROWS:
         print(f"running {scenario.__name__} {size} ...", file=sys.stderr, flush=True)
         try:
             rows.append(scenario(**size))

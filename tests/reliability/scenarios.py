@@ -488,3 +488,16 @@ def _big_frames_before_hello(row: Row, addr: str, n: int) -> None:
             if not hung_up(sock, 1):
                 row.wrong += 1
                 row.note(f"a frame over {MAX_HELLO_FRAME} bytes before HELLO was not refused")
+
+
+#: Every row with its full size (the issue's minimums or more, for `make reliability`) and its
+#: short one (for `make test`).
+ROWS = [
+    (cuts, {"trials": 500}, {"trials": 20}),
+    (fuzz, {"frames": 20_000}, {"frames": 600}),
+    (slow_peers, {"peers": 300}, {"peers": 60}),
+    (auth, {"probes": 100}, {"probes": 8}),
+    (leases, {"sessions": 200}, {"sessions": 10}),
+    (drain, {"heads": 8}, {"heads": 2}),
+    (bounds, {"sessions": 10_000, "big_frames": 40}, {"sessions": 500, "big_frames": 4}),
+]
