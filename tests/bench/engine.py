@@ -6,13 +6,22 @@ rate); `LlamaForCausalLM.generate` (greedy, KV cache on) decode tokens/s on the 
 (target: ours / theirs ≥ 1.0); the largest logit difference over a prompt (target ≤ 1e-4); and
 whether the greedy tokens agree. Decode rates are (N - 1) / (T(N) - T(1)) for both engines,
 T(n) the wall time of a whole n-token generation, so prefill and set-up cancel out.
+Then, on the builtin model:
+- prefix reuse: a 4-turn chat of about 2,000 tokens, each turn's prompt the last prompt, its
+  reply and a new message; time to first token per turn with the prefix cache on and off
+  (target: from turn 2 on, on ≥ 5× faster than off);
+- idle memory: the resident set of a serving `superfluid-noded --model builtin` against a bare
+  `import torch` process (target: ≤ bare + 1.2 × the weights' bytes + 32 MB).
 Exits 1 when a target is missed.
 
 Run: .venv/bin/python -m pip install transformers && .venv/bin/python tests/bench/engine.py
+(or name sections: `engine.py memory chat`; `speed` is the comparison with transformers)
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nodeagent.daemon import GenExtras  # noqa: E402
-from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, random_tensors  # noqa: E402
+from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors  # noqa: E402
 from nodeagent.engine.checkpoint import write_checkpoint  # noqa: E402
 from nodeagent.engine.model import ModelConfig  # noqa: E402
 from nodeagent.engine.torch_engine import TorchDaemon  # noqa: E402
@@ -151,9 +160,82 @@ def bench(label: str, directory: Path) -> list[str]:
     return [name for name, ok in checks if not ok]
 
 
-def main() -> int:
-    torch.set_num_threads(2)
-    started = time.perf_counter()
+CHAT_TURNS = (1400, 120, 120, 120)  # message lengths; with 64-token replies, ~2,000 tokens
+CHAT_REPLY = 64
+TTFT_TARGET = 5.0
+RSS_WEIGHT_FACTOR, RSS_SLACK_MB = 1.2, 32
+
+
+def chat_ttft(prefix_cache: bool) -> list[float]:
+    """Seconds to the first token of each turn of the chat, one session on a fresh engine."""
+    daemon = TorchDaemon(
+        builtin_model(torch.float32, torch.device("cpu")), "builtin", max_batch=1, prefix_cache=prefix_cache
+    )
+    context: list[int] = []
+    ttfts = []
+    for turn, length in enumerate(CHAT_TURNS):
+        context += prompt(length, salt=1000 * turn)
+        first: list[float] = []
+        started = time.perf_counter()
+        result = daemon.generate_tokens_streaming(
+            context, GenParams(), CHAT_REPLY, 0, GenExtras(),
+            lambda b: first.append(time.perf_counter()) or True,
+        )
+        ttfts.append(first[0] - started)
+        context += result.tokens
+    daemon.close()
+    return ttfts
+
+
+def chat() -> list[str]:
+    on, off = chat_ttft(True), chat_ttft(False)
+    ratios = [b / a for a, b in zip(on, off)]
+    total = sum(CHAT_TURNS) + CHAT_REPLY * (len(CHAT_TURNS) - 1)
+    print(f"\n== prefix reuse: a {len(CHAT_TURNS)}-turn chat of ~{total} tokens on builtin, time to first token")
+    print("  turn   cache on    cache off    off / on")
+    for turn, (a, b, r) in enumerate(zip(on, off, ratios), 1):
+        print(f"  {turn:4}   {a * 1e3:7.1f} ms  {b * 1e3:8.1f} ms   {r:6.1f}×")
+    worst = min(ratios[1:])
+    print(f"  from turn 2 on, at least {worst:.1f}× faster   (target ≥ {TTFT_TARGET:.0f})")
+    return [] if worst >= TTFT_TARGET else [f"prefix reuse: TTFT from turn 2 ≥ {TTFT_TARGET:.0f}× cache off"]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def idle_rss(argv: list[str], ready: str) -> float:
+    """Resident MB of the process `argv` once it printed `ready` on stderr and sat a second."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        for line in proc.stderr:
+            if ready in line:
+                break
+        time.sleep(1.0)
+        return rss_mb(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def memory() -> list[str]:
+    bare = idle_rss([sys.executable, "-c", "import sys, torch; print('ready', file=sys.stderr, flush=True); sys.stdin.read()"], "ready")
+    node = idle_rss([sys.executable, "-m", "nodeagent", "--model", "builtin", "--listen", "127.0.0.1:0"], "serving")
+    weights_mb = sum(t.numel() for t in random_tensors(BUILTIN_CONFIG, BUILTIN_SEED).values()) * 4 / 2**20
+    limit = bare + RSS_WEIGHT_FACTOR * weights_mb + RSS_SLACK_MB
+    print("\n== idle memory of superfluid-noded --model builtin (fp32, 256 MB KV budget)")
+    print(f"  bare `import torch`                {bare:7.0f} MB")
+    print(f"  weights                            {weights_mb:7.0f} MB")
+    print(f"  serving, idle                      {node:7.0f} MB   (target ≤ {limit:.0f} = bare + {RSS_WEIGHT_FACTOR} × weights + {RSS_SLACK_MB})")
+    return [] if node <= limit else ["idle RSS of --model builtin within bare torch + 1.2 × weights + 32 MB"]
+
+
+def speed() -> list[str]:
     missed = []
     with tempfile.TemporaryDirectory() as tmp:
         builtin_dir = write_checkpoint(
@@ -164,6 +246,18 @@ def main() -> int:
             Path(tmp) / "llama-gqa-34m", CHECKPOINT_CONFIG, random_tensors(CHECKPOINT_CONFIG, 7), shards=3
         )
         missed += bench("llama-gqa-34m checkpoint", checkpoint_dir)
+    return missed
+
+
+SECTIONS = {"speed": speed, "chat": chat, "memory": memory}
+
+
+def main() -> int:
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    missed = []
+    for name in sys.argv[1:] or SECTIONS:
+        missed += SECTIONS[name]()
     print(f"\nbench took {time.perf_counter() - started:.0f} s")
     for name in missed:
         print(f"MISSED: {name}")
