@@ -87,8 +87,7 @@ def assert_matches_transformers(path):
     return ours, reference
 
 
-@pytest.mark.parametrize("kind", ["f32", "mixed", "k_quants"])
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("kind,tied", [("f32", True), ("mixed", False), ("k_quants", True)])
 def test_gguf_matches_transformers_on_the_same_file(tmp_path, kind, tied):
     """Logits within 1e-4 and the same greedy tokens: both dequantize with gguf, so quantized
     types must agree as closely as float ones; the q/k un-permutation is checked by both."""
