@@ -7,6 +7,7 @@ sizes are in `run.py`, the short ones in `tests/test_reliability_short.py`. Traf
 from __future__ import annotations
 
 import random
+import resource
 import signal
 import socket
 import threading
@@ -264,6 +265,39 @@ def _head_gets_in(row: Row, node: WatchedNode, within: float) -> None:
         row.note(f"a real head took {took:.2f} s to get in")
 
 
+# ---- threads that cannot start ----------------------------------------------------------------
+
+
+def thread_cap(connections: int) -> Row:
+    """The node's address space capped 400 MB above its size (as a container's memory limit
+    would), then `connections` heads at once: those whose thread cannot start are closed with
+    one line each, the node serves on, and once they are gone a head is served exactly."""
+    row = Row("threads that cannot start", f"{connections} heads, 400 MB address-space cap", 0)
+    node = _started()
+    resource.prlimit(node.proc.proc.pid, resource.RLIMIT_AS, (node.status("VmSize") + (400 << 20), resource.RLIM_INFINITY))
+    heads: list[FleetHead] = []
+    try:
+        with Measured(row, node):
+            for _ in range(connections):
+                try:
+                    heads.append(FleetHead.connect(node.addr, timeout=2))
+                except (LinkFError, OSError):
+                    row.faults += 1
+            for head in heads:
+                head.close()
+            time.sleep(0.5)
+            _head_gets_in(row, node, 2.0)
+            row.load += f", {len(heads)} served, {row.faults} closed"
+            if not any("cannot start its thread" in line for line in node.proc.lines):
+                row.wrong += 1
+                row.note("the cap never stopped a thread: the row tested nothing")
+    finally:
+        for head in heads:
+            head.close()
+        node.close()
+    return row
+
+
 # ---- auth probes ------------------------------------------------------------------------------
 
 
@@ -496,6 +530,7 @@ ROWS = [
     (cuts, {"trials": 500}, {"trials": 20}),
     (fuzz, {"frames": 20_000}, {"frames": 600}),
     (slow_peers, {"peers": 300}, {"peers": 60}),
+    (thread_cap, {"connections": 300}, {"connections": 40}),
     (auth, {"probes": 100}, {"probes": 8}),
     (leases, {"sessions": 200}, {"sessions": 10}),
     (drain, {"heads": 8}, {"heads": 2}),
