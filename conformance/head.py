@@ -55,23 +55,9 @@ TIMEOUT = 10.0
 HEARTBEAT = 5.0
 
 
-#: Finish reasons as the kit prints them.
-NAMES = {
-    finish.NONE: "NONE",
-    finish.EOS: "EOS",
-    finish.LENGTH: "LENGTH",
-    finish.GRAMMAR: "GRAMMAR",
-    finish.CANCELLED: "CANCELLED",
-    finish.ERROR: "ERROR",
-    finish.EXPIRED: "EXPIRED",
-    finish.REFUSED: "REFUSED",
-    finish.DECLINED: "DECLINED",
-}
-
-
 def reason(code: int | None) -> str:
-    """A finish code's name, for a person."""
-    return "no Finish" if code is None else NAMES.get(code, str(code))
+    """A finish code's name, for a person: `LENGTH`, `DECLINED`."""
+    return "no Finish" if code is None else finish.name(code).upper()
 
 
 class HeadTimeout(Exception):

@@ -16,3 +16,21 @@ EXPIRED = 2**32 - 1
 REFUSED = 2**32 - 2
 #: Unknown session, superseded epoch, replayed command, or a generation already running here.
 DECLINED = 2**32 - 3
+
+#: Each code's name, as metrics label it and logs and the conformance kit print it.
+NAMES = {
+    NONE: "none",
+    EOS: "eos",
+    LENGTH: "length",
+    GRAMMAR: "grammar",
+    CANCELLED: "cancelled",
+    ERROR: "error",
+    EXPIRED: "expired",
+    REFUSED: "refused",
+    DECLINED: "declined",
+}
+
+
+def name(code: int) -> str:
+    """`code`'s name; `code_N` for one no engine or node defines."""
+    return NAMES.get(code, f"code_{code}")

@@ -14,22 +14,8 @@ import threading
 from linkf.errors import Closed, Envelope, Payload, Protocol, TimedOut, Unauthorized
 from nodeagent import finish
 
-#: Finish codes as the metrics label and the log name them (the node's own three at the top).
-FINISH_NAMES = {
-    finish.NONE: "none",
-    finish.EOS: "eos",
-    finish.LENGTH: "length",
-    finish.GRAMMAR: "grammar",
-    finish.CANCELLED: "cancelled",
-    finish.ERROR: "error",
-    finish.EXPIRED: "expired",
-    finish.REFUSED: "refused",
-    finish.DECLINED: "declined",
-}
-
-
-def finish_name(code: int) -> str:
-    return FINISH_NAMES.get(code, f"code_{code}")
+#: Finish codes as the metrics label and the log name them.
+finish_name = finish.name
 
 
 class GenerationWatch:
