@@ -7,7 +7,7 @@ import time
 
 from conformance.raw import raw_frame
 from conformance.scenario import Context, Violation, check, scenario, skip
-from linkf.errors import LinkFError
+from linkf.errors import Closed, LinkFError, Protocol, TimedOut
 from proto.envelope import MAX_FRAME
 from proto.handshake import Hello, LinkRole
 from proto.linkf import LinkFLimits, PolicyUpdateMsg, TelemetryMsg, msg_type
@@ -61,9 +61,9 @@ def _refused(ctx: Context, what: str, **kw) -> None:
     """The node must refuse this HELLO (or handshake) by hanging up, never answer it."""
     try:
         head = ctx.head(timeout=HANG_UP_S, **kw)
-    except LinkFError.Protocol as e:
+    except Protocol as e:
         raise Violation(f"{what}: the node answered with a HELLO_ACK_F ({e.reason})") from None
-    except LinkFError.TimedOut:
+    except TimedOut:
         raise Violation(f"{what}: the node neither answered nor hung up within {HANG_UP_S:g} s") from None
     except LinkFError:
         return
@@ -103,7 +103,7 @@ def noise_plaintext(ctx: Context) -> None:
     try:
         while time.monotonic() < deadline:
             check(not link.read(deadline - time.monotonic()), "the node answered a plaintext HELLO in plaintext")
-    except LinkFError.Closed:
+    except Closed:
         pass
 
 

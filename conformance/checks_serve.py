@@ -9,7 +9,7 @@ import time
 from conformance.head import FleetHead, Generation, HeadTimeout, reason
 from conformance.reference import MOCK_LAYERS, mock_stage, mock_tokens
 from conformance.scenario import Context, Violation, check, scenario, skip
-from linkf.errors import LinkFError
+from linkf.errors import Closed
 from nodeagent import finish
 from nodeagent.wal import GenParams
 from proto.linkf import (
@@ -88,7 +88,7 @@ def declined(ctx: Context, head: FleetHead, req: GenerateReqMsg, why: str, timeo
         head.until(lambda: key in head.generations and len(head.generations[key].events) > before, wait, "answer")
     except HeadTimeout:
         raise Violation(f"{why}: no answer within {wait:g} s (a Rust head would wait forever)") from None
-    except LinkFError.Closed:
+    except Closed:
         raise Violation(f"{why}: the node dropped the link instead of declining") from None
     ev = head.generations[key].events[before]
     got = ev.payload.reason if isinstance(ev.payload, TokenEventPayload.Finish) else None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from conformance.wal import WalStub
 from linkf.driver import Endpoint, Liveness
-from linkf.errors import LinkFError
+from linkf.errors import Closed, Payload
 from linkf.head import HeadSession
 from nodeagent import finish
 from nodeagent.fleet import encode_params, encode_tokens
@@ -337,7 +337,7 @@ class FleetHead:
         while time.monotonic() < deadline:
             try:
                 self.pump()
-            except LinkFError.Closed:
+            except Closed:
                 return True
         return False
 
@@ -345,7 +345,7 @@ class FleetHead:
         try:
             msg = decode_payload(frame.msg_type, frame.payload)
         except PostcardError as e:
-            raise LinkFError.Payload(f"the node's {type_name(frame.msg_type)}: {e}", peer=self.endpoint.peer) from e
+            raise Payload(f"the node's {type_name(frame.msg_type)}: {e}", peer=self.endpoint.peer) from e
         got = Received(time.monotonic(), frame, msg)
         self.received.append(got)
         if frame.msg_type == msg_type.TOKEN_EVENTS:

@@ -1,8 +1,8 @@
 """The Link F session layer: pure state machines for both ends (``agent``, ``head``) and the
 framed endpoint that runs them over a socket (``driver``, ``secure``)."""
 
-from .agent import AgentAction, AgentSession
-from .driver import PROTO_VERSION, SUPPORTED_VERSIONS, Endpoint, Liveness
+from .agent import AgentAction, AgentSession, SelfFence
+from .driver import DEFAULT_LIVENESS, PROTO_VERSION, SUPPORTED_VERSIONS, Endpoint, Liveness
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
 from .head import HeadSession
 from .secure import NoiseRole
@@ -11,6 +11,7 @@ __all__ = [
     "AgentAction",
     "AgentSession",
     "Closed",
+    "DEFAULT_LIVENESS",
     "Endpoint",
     "Envelope",
     "HeadSession",
@@ -22,6 +23,7 @@ __all__ = [
     "Payload",
     "Protocol",
     "SUPPORTED_VERSIONS",
+    "SelfFence",
     "TimedOut",
     "Unauthorized",
 ]

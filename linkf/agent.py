@@ -51,8 +51,6 @@ class SelfFence(AgentAction):
     session_id: int
 
 
-AgentAction.SelfFence = SelfFence
-
 
 @dataclass
 class _SessionCtx:

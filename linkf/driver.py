@@ -56,7 +56,8 @@ class Liveness:
     silence: float
 
 
-Liveness.DEFAULT = Liveness(heartbeat=5.0, silence=0.0)
+#: A link's liveness until the caller sets its own: a heartbeat every 5 s, no silence limit.
+DEFAULT_LIVENESS = Liveness(heartbeat=5.0, silence=0.0)
 
 
 class _Plain:
@@ -113,7 +114,7 @@ class Endpoint:
         self._version: int | None = None
         self._hello_version = PROTO_VERSION
         self._poll = DEFAULT_POLL
-        self._liveness = Liveness.DEFAULT
+        self._liveness = DEFAULT_LIVENESS
         self._last_sent = self._last_heard = time.monotonic()
         self._write_timeout: float | None = None
         #: Set once a write failed: a frame may have left in part, so nothing more can follow.

@@ -1,8 +1,8 @@
 """The ways a Link F link fails.
 
-Every failure is a ``LinkFError``; the kind is a subclass, also reachable as an attribute of
-the base (``except LinkFError.TimedOut``), the way the Rust enum's variants are. Messages name
-the peer when the endpoint knows its address, since they end up in the node's log lines.
+Every failure is a ``LinkFError``; each of the Rust enum's variants is a subclass of it, one
+class per kind, imported by name (``except TimedOut``). Messages name the peer when the
+endpoint knows its address, since they end up in the node's log lines.
 """
 
 from __future__ import annotations
@@ -62,9 +62,5 @@ class TimedOut(LinkFError):
 class Unauthorized(LinkFError):
     summary = "peer failed authentication"
 
-
-for _kind in (Io, Envelope, Payload, Protocol, Closed, TimedOut, Unauthorized):
-    setattr(LinkFError, _kind.__name__, _kind)
-del _kind
 
 __all__ = ["LinkFError", "Io", "Envelope", "Payload", "Protocol", "Closed", "TimedOut", "Unauthorized"]

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from linkf.agent import AgentAction, AgentSession
-from linkf.driver import PROTO_VERSION, Endpoint, Liveness
-from linkf.errors import LinkFError
+from linkf.agent import AgentSession, SelfFence
+from linkf.driver import DEFAULT_LIVENESS, PROTO_VERSION, Endpoint, Liveness
+from linkf.errors import Closed, LinkFError, Payload, TimedOut
 from linkf.waker import Waker
 from nodeagent import finish
 from nodeagent.daemon import (
@@ -398,15 +398,15 @@ class NodeAgent:
         try:
             try:
                 endpoint.answer_hello_as_agent(self.ackf(), self.auth, self.handshake_timeout or None)
-            except LinkFError.TimedOut:
+            except TimedOut:
                 log.warning("node-agent dropped a silent connection (no Hello)")
                 return
             if on_hello is not None:
                 on_hello()
             if self.idle_timeout:
-                heartbeat = min(Liveness.DEFAULT.heartbeat, self.idle_timeout / 3)
+                heartbeat = min(DEFAULT_LIVENESS.heartbeat, self.idle_timeout / 3)
             else:
-                heartbeat = Liveness.DEFAULT.heartbeat
+                heartbeat = DEFAULT_LIVENESS.heartbeat
             endpoint.keep_alive(Liveness(heartbeat=heartbeat, silence=self.idle_timeout))
             self.serve_link(endpoint, work)
         finally:
@@ -418,9 +418,9 @@ class NodeAgent:
         try:
             while self.serve_pass(endpoint, work):
                 pass
-        except LinkFError.Closed:
+        except Closed:
             return
-        except LinkFError.TimedOut:
+        except TimedOut:
             if endpoint.broken is not None or _stalled(work):
                 log.warning(
                     "node-agent dropped a connection the head stopped reading",
@@ -449,7 +449,7 @@ class NodeAgent:
         run = work.generation
         if run is not None and run.stalled_since is not None and self.write_timeout:
             if self.now_ms() - run.stalled_since >= self.write_timeout * 1000:
-                raise LinkFError.TimedOut("the head acknowledged nothing", peer=endpoint.peer)
+                raise TimedOut("the head acknowledged nothing", peer=endpoint.peer)
         # A version-2 head sends nothing while it waits on a generation, so only a
         # connection with nothing running can be idle.
         if endpoint.version() < 3 and not work.busy() and self.idle_timeout:
@@ -502,7 +502,7 @@ class NodeAgent:
         sh = self.shared
         with sh.lock:
             for action in sh.agent.poll(now):
-                if isinstance(action, AgentAction.SelfFence):
+                if isinstance(action, SelfFence):
                     log.warning("node-agent self-fenced on lease expiry", extra=_fields(session_id=action.session_id))
                     sh.forget(action.session_id)
                     self.observer.session_fenced(action.session_id)
@@ -787,7 +787,7 @@ def _decode(frame: Frame):
     try:
         return decode_payload(frame.msg_type, frame.payload)
     except PostcardError as e:
-        raise LinkFError.Payload(f"message type {frame.msg_type:#06x}: {e}") from e
+        raise Payload(f"message type {frame.msg_type:#06x}: {e}") from e
 
 
 def _rate(count: int, prev: int, dt_ms: int) -> int:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from linkf.driver import SUPPORTED_VERSIONS, Endpoint
-from linkf.errors import LinkFError
+from linkf.errors import Closed, LinkFError, Unauthorized
 from linkf.secure import NoiseRole
 from linkf.transcript import NODE, Recorder
 from nodeagent.admission import Admission, Entry, Limits
@@ -153,7 +153,7 @@ class Node:
                 self.observer.ended(peer, None)
                 return
             endpoint = self._open(sock)
-        except LinkFError.Unauthorized as e:
+        except Unauthorized as e:
             self.observer.ended(peer, e)
             say(f"refused {peer}: its fleet token differs")
             return
@@ -165,10 +165,10 @@ class Node:
         try:
             with self._recording(endpoint, peer):
                 conn.serve(endpoint, on_hello=lambda: self._hello(ticket, peer))
-        except LinkFError.Unauthorized as e:
+        except Unauthorized as e:
             error = e
             say(f"refused {peer}: its fleet token differs")
-        except LinkFError.Closed as e:
+        except Closed as e:
             error = e
             log.debug(f"connection from {peer} closed")
         except Exception as e:  # noqa: BLE001 - as above: the process outlives every connection

@@ -6,7 +6,7 @@ import pytest
 from conformance.head import FleetHead
 from conformance.raw import RawLink, hung_up, raw_connect, raw_frame
 from conformance.reference import mock_tokens
-from linkf.errors import LinkFError
+from linkf.errors import Envelope, Payload, Protocol
 from nodeagent.daemon import DaemonError
 from nodeagent.fleet import encode_params
 from nodeagent.wal import GenParams
@@ -25,16 +25,16 @@ BAD_BLOCKS = AppendContentMsg(command_id=(1 << 50) + 1, session_id=99, epoch=1 <
 
 # (what the peer sends after connecting, whether it said HELLO first, the error, a phrase of it)
 CASES = {
-    "malformed payload": (raw_frame(msg_type.SESSION_ASSIGN, b"\x01\x02", seq=2), True, LinkFError.Payload, "0x0005"),
-    "unknown required type": (raw_frame(0x0100, b"", seq=2), True, LinkFError.Envelope, "0x0100"),
-    "class byte against the type": (raw_frame(msg_type.KEEPALIVE, class_byte=0, seq=2), True, LinkFError.Envelope, "class byte"),
-    "class byte out of range": (raw_frame(msg_type.LEASE_RENEW, b"\x00\x00", class_byte=7, seq=2), True, LinkFError.Envelope, "class byte"),
-    "frame over 16 MiB": (raw_frame(msg_type.APPEND_CONTENT, length=MAX_FRAME + 1, seq=2), True, LinkFError.Envelope, "16777216"),
-    "length under the header": (raw_frame(msg_type.KEEPALIVE, length=3, seq=2), True, LinkFError.Envelope, "length"),
-    "garbage before HELLO": (b"\xff\xff\xff\x7f and then some", False, LinkFError.Envelope, "exceeds"),
-    "HTTP before HELLO": (b"GET / HTTP/1.1\r\nHost: node\r\n\r\n", False, LinkFError.Protocol, "the peer speaks HTTP"),
-    "TLS before HELLO": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", False, LinkFError.Protocol, "the peer speaks TLS"),
-    "another frame before HELLO": (raw_frame(msg_type.GENERATE_CANCEL, b"\x01\x01"), False, LinkFError.Protocol, "expected Hello"),
+    "malformed payload": (raw_frame(msg_type.SESSION_ASSIGN, b"\x01\x02", seq=2), True, Payload, "0x0005"),
+    "unknown required type": (raw_frame(0x0100, b"", seq=2), True, Envelope, "0x0100"),
+    "class byte against the type": (raw_frame(msg_type.KEEPALIVE, class_byte=0, seq=2), True, Envelope, "class byte"),
+    "class byte out of range": (raw_frame(msg_type.LEASE_RENEW, b"\x00\x00", class_byte=7, seq=2), True, Envelope, "class byte"),
+    "frame over 16 MiB": (raw_frame(msg_type.APPEND_CONTENT, length=MAX_FRAME + 1, seq=2), True, Envelope, "16777216"),
+    "length under the header": (raw_frame(msg_type.KEEPALIVE, length=3, seq=2), True, Envelope, "length"),
+    "garbage before HELLO": (b"\xff\xff\xff\x7f and then some", False, Envelope, "exceeds"),
+    "HTTP before HELLO": (b"GET / HTTP/1.1\r\nHost: node\r\n\r\n", False, Protocol, "the peer speaks HTTP"),
+    "TLS before HELLO": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", False, Protocol, "the peer speaks TLS"),
+    "another frame before HELLO": (raw_frame(msg_type.GENERATE_CANCEL, b"\x01\x01"), False, Protocol, "expected Hello"),
     "malformed blocks": (
         raw_frame(msg_type.SESSION_ASSIGN, postcard.to_bytes(ASSIGN), seq=2)
         + raw_frame(msg_type.APPEND_CONTENT, postcard.to_bytes(BAD_BLOCKS), seq=3),

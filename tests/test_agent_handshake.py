@@ -10,7 +10,7 @@ from conformance.head import LEASE, FleetHead
 from conformance.raw import hung_up, raw_connect
 from conformance.reference import mock_tokens
 from linkf.driver import Endpoint
-from linkf.errors import LinkFError
+from linkf.errors import LinkFError, Protocol, Unauthorized
 from nodeagent.agent import FINISH_DECLINED
 from nodeagent.wal import GenParams
 from proto.envelope import MAX_FRAME
@@ -61,17 +61,17 @@ def test_a_hello_the_node_cannot_serve_ends_the_connection_with_the_reason(node,
     with pytest.raises(LinkFError):
         FleetHead.connect(node.addr, versions=versions, role=role, timeout=2.0)
     outcome = node.outcome()
-    assert isinstance(outcome, LinkFError.Protocol) and outcome.reason == reason
+    assert isinstance(outcome, Protocol) and outcome.reason == reason
 
 
 def test_a_hello_with_another_token_is_unauthorized(start_node):
     node = start_node(auth=b"right", noise=False)
     with pytest.raises(LinkFError):
         FleetHead.connect(node.addr, auth=b"", noise=False, timeout=2.0)
-    assert isinstance(node.outcome(), LinkFError.Unauthorized)
+    assert isinstance(node.outcome(), Unauthorized)
     with pytest.raises(LinkFError):
         FleetHead.connect(node.addr, auth=b"wrong", noise=False, timeout=2.0)
-    assert isinstance(node.outcome(), LinkFError.Unauthorized)
+    assert isinstance(node.outcome(), Unauthorized)
     with FleetHead.connect(node.addr, auth=b"right", noise=False) as head:
         assert head.node.node_identity == "node-a"
 

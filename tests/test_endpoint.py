@@ -9,7 +9,19 @@ import pytest
 from linkpairs import tcp_pair, unix_pair
 from polling import TIMEOUT, background
 
-from linkf import Endpoint, LinkFError, Liveness, NoiseRole
+from linkf import (
+    Closed,
+    Endpoint,
+    Envelope,
+    Io,
+    LinkFError,
+    Liveness,
+    NoiseRole,
+    Payload,
+    Protocol,
+    TimedOut,
+    Unauthorized,
+)
 from proto import postcard
 from proto.envelope import FrameClass
 from proto.handshake import CapacitySummary, Hello, HelloAckF, LinkFLimits, LinkRole
@@ -83,7 +95,7 @@ def refused(versions=(2, 3), role=LinkRole.HeadDaemon, auth=b"", expected=b""):
             node.close()
 
     served = background(serve)
-    with pytest.raises(LinkFError.Closed):
+    with pytest.raises(Closed):
         head.hello_as_head(auth, TIMEOUT, versions, role)
     with pytest.raises(LinkFError) as err:
         served()
@@ -92,13 +104,13 @@ def refused(versions=(2, 3), role=LinkRole.HeadDaemon, auth=b"", expected=b""):
 
 def test_no_common_version_is_refused():
     err = refused(versions=(4, 5))
-    assert isinstance(err, LinkFError.Protocol) and err.reason == "no common proto version"
+    assert isinstance(err, Protocol) and err.reason == "no common proto version"
 
 
 @pytest.mark.parametrize("role", [LinkRole.NodeAgent, LinkRole.Worker])
 def test_a_peer_that_is_not_a_head_is_refused(role):
     err = refused(role=role)
-    assert isinstance(err, LinkFError.Protocol) and err.reason == "peer is not a head daemon"
+    assert isinstance(err, Protocol) and err.reason == "peer is not a head daemon"
 
 
 def test_the_version_is_checked_before_the_role():
@@ -108,9 +120,9 @@ def test_the_version_is_checked_before_the_role():
 
 def test_wrong_auth_is_unauthorized_and_the_right_one_served():
     err = refused(auth=b"other", expected=b"token")
-    assert isinstance(err, LinkFError.Unauthorized)
+    assert isinstance(err, Unauthorized)
     assert "unix" in str(err)
-    assert isinstance(refused(auth=b"", expected=b"token"), LinkFError.Unauthorized)
+    assert isinstance(refused(auth=b"", expected=b"token"), Unauthorized)
     head, node = unix_pair()
     assert handshake(head, node, auth=b"token", expected=b"token").node_identity == "node"
 
@@ -123,7 +135,7 @@ def test_a_node_without_a_token_takes_any_auth():
 def test_a_silent_head_times_the_hello_out():
     _head, node = unix_pair()
     t0 = time.monotonic()
-    with pytest.raises(LinkFError.TimedOut):
+    with pytest.raises(TimedOut):
         node.answer_hello_as_agent(ackf(), b"", 0.2)
     assert 0.2 <= time.monotonic() - t0 < 2
 
@@ -131,14 +143,14 @@ def test_a_silent_head_times_the_hello_out():
 def test_a_frame_other_than_hello_first_is_a_protocol_error():
     head, node = unix_pair()
     head.send(msg_type.LEASE_RENEW, LeaseRenewMsg())
-    with pytest.raises(LinkFError.Protocol, match="expected Hello"):
+    with pytest.raises(Protocol, match="expected Hello"):
         node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
 
 
 def test_a_hello_that_does_not_decode_is_a_payload_error():
     head, node = unix_pair()
     head.send(msg_type.HELLO, TelemetryMsg(spans=b"\x07\x07\x07"))
-    with pytest.raises(LinkFError.Payload):
+    with pytest.raises(Payload):
         node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
 
 
@@ -235,7 +247,7 @@ def test_silence_times_a_v3_link_out():
     handshake(head, node)
     node.keep_alive(Liveness(heartbeat=10, silence=0.3))
     t0 = time.monotonic()
-    with pytest.raises(LinkFError.TimedOut) as err:
+    with pytest.raises(TimedOut) as err:
         while time.monotonic() - t0 < TIMEOUT:
             node.pump()
     assert 0.3 <= time.monotonic() - t0 < 1.5
@@ -259,12 +271,12 @@ def test_heartbeats_keep_a_v3_link_alive():
 def test_peer_closing_is_closed_and_garbage_is_an_envelope_error():
     head, node = unix_pair()
     head.close()
-    with pytest.raises(LinkFError.Closed):
+    with pytest.raises(Closed):
         node.wait_frames()
     a, b = socket.socketpair()
     node = Endpoint.from_unix(b)
     a.sendall(b"\x01\x00\x00\x00" + bytes(30))
-    with pytest.raises(LinkFError.Envelope):
+    with pytest.raises(Envelope):
         node.wait_frames()
 
 
@@ -273,7 +285,7 @@ def test_shutdown_from_another_thread_unblocks_wait_frames():
     waiting = background(node.wait_frames)
     time.sleep(0.1)
     node.shutdown()
-    with pytest.raises(LinkFError.Closed):
+    with pytest.raises(Closed):
         waiting()
     node.shutdown()
 
@@ -281,7 +293,7 @@ def test_shutdown_from_another_thread_unblocks_wait_frames():
 def test_connect_tcp_to_nothing_is_an_error():
     with socket.create_server(("127.0.0.1", 0)) as s:
         addr = s.getsockname()
-    with pytest.raises(LinkFError.Io):
+    with pytest.raises(Io):
         Endpoint.connect_tcp(f"{addr[0]}:{addr[1]}", TIMEOUT)
 
 
@@ -311,9 +323,9 @@ def test_the_right_token_is_served_and_another_refused():
         node()
 
         node = secure_node(listener, b"token")
-        with pytest.raises(LinkFError.Closed):
+        with pytest.raises(Closed):
             Endpoint.connect_tcp_secure(addr, b"other", TIMEOUT, TIMEOUT)
-        with pytest.raises(LinkFError.Unauthorized) as err:
+        with pytest.raises(Unauthorized) as err:
             node()
         assert "127.0.0.1:" in str(err.value)
 
@@ -380,7 +392,7 @@ def test_a_plain_peer_cannot_talk_to_a_secure_node():
         head = Endpoint.connect_tcp(listener.getsockname(), TIMEOUT)
         # Its frame's length prefix reads as a Noise message far longer than it sends.
         head.send(msg_type.HELLO, Hello(proto_versions=(2, 3), link_role=LinkRole.HeadDaemon, auth=b"token"))
-        with pytest.raises(LinkFError.TimedOut):
+        with pytest.raises(TimedOut):
             node()
 
 
@@ -388,7 +400,7 @@ def test_a_silent_peer_times_the_noise_handshake_out():
     with socket.create_server(("127.0.0.1", 0)) as listener:
         dialled = socket.create_connection(listener.getsockname(), TIMEOUT)
         accepted, _ = listener.accept()
-        with pytest.raises(LinkFError.TimedOut):
+        with pytest.raises(TimedOut):
             Endpoint.from_tcp_secure(accepted, b"token", NoiseRole.Responder, 0.2)
         assert accepted.fileno() == -1, "a failed handshake keeps its socket open"
         dialled.close()

@@ -10,7 +10,7 @@ import pytest
 
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
-from linkf.errors import LinkFError
+from linkf.errors import LinkFError, Unauthorized
 from nodeagent.wal import GenParams
 
 V2 = (2, 2)
@@ -116,4 +116,4 @@ def test_a_key_mismatch_is_refused(start_node):
     node = start_node(auth=b"right")
     with pytest.raises(LinkFError):
         FleetHead.connect(node.addr, auth=b"wrong", versions=V2, timeout=2.0)
-    assert isinstance(node.outcome(), LinkFError.Unauthorized)
+    assert isinstance(node.outcome(), Unauthorized)

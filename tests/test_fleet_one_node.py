@@ -4,7 +4,7 @@ import pytest
 
 from conformance.head import LEASE, FleetHead
 from conformance.reference import mock_tokens
-from linkf.errors import LinkFError
+from linkf.errors import LinkFError, Unauthorized
 from nodeagent import finish
 from nodeagent.agent import FINISH_DECLINED, FINISH_REFUSED
 from nodeagent.engine.mock import MockDaemon
@@ -36,7 +36,7 @@ def test_a_keyed_node_serves_over_an_encrypted_link_and_refuses_another_key(star
     prompt = list(range(300, 332))
     with pytest.raises(LinkFError):
         FleetHead.connect(node.addr, auth=b"another token", timeout=2.0)
-    assert isinstance(node.outcome(), LinkFError.Unauthorized)
+    assert isinstance(node.outcome(), Unauthorized)
     with FleetHead.connect(node.addr, auth=b"the fleet token") as head:
         head.assign(7, GenParams(), LEASE)
         head.append(7, prompt)

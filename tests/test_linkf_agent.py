@@ -1,6 +1,6 @@
 """linkf.agent: the unit tests of agent.rs, ported, plus the reconcile rules they leave out."""
 
-from linkf import AgentAction, AgentSession
+from linkf import AgentSession, SelfFence
 from proto.linkf import (
     GenerateReqMsg,
     GenerationBudgetsMsg,
@@ -79,7 +79,7 @@ def test_lease_expiry_self_fences_but_retains_state():
     assert a.emit(1, 100, tokens(1)) is not None
 
     assert len(a.needs_renew(700)) == 1
-    assert a.poll(1500) == [AgentAction.SelfFence(session_id=1)]
+    assert a.poll(1500) == [SelfFence(session_id=1)]
     assert a.poll(1600) == [], "a session fences once"
     assert a.emit(1, 100, tokens(2)) is None
     assert a.unacked_events(1, 100) == 1
@@ -97,7 +97,7 @@ def test_renewal_is_asked_between_renew_by_and_expiry_and_a_grant_restarts_the_l
     a.on_lease_grant(LeaseGrantMsg(session_id=1, epoch=5, duration_ms=1000, renew_by_ms=600), 700)
     assert a.needs_renew(700) == []
     assert a.poll(1500) == []
-    assert a.poll(1700) == [AgentAction.SelfFence(session_id=1)]
+    assert a.poll(1700) == [SelfFence(session_id=1)]
     assert a.needs_renew(1700) == [], "a fenced session asks for nothing"
 
 

@@ -8,7 +8,7 @@ from linkpairs import tcp_pair, unix_pair
 from polling import TIMEOUT
 
 from conformance.wal import WalStub
-from linkf import AgentAction, AgentSession, HeadSession
+from linkf import AgentSession, HeadSession, SelfFence
 from proto import postcard
 from proto.handshake import CapacitySummary, HelloAckF, LinkFLimits
 from proto.linkf import (
@@ -240,7 +240,7 @@ def test_session_lifecycle_recovery_and_fencing(make):
     (renew,) = new_agent.needs_renew(8_500)
     new_agent.on_lease_grant(head.on_lease_renew(renew), 8_500)
     assert new_agent.poll(12_000) == [], "renewed lease expired early"
-    assert new_agent.poll(19_000) == [AgentAction.SelfFence(session_id=1)]
+    assert new_agent.poll(19_000) == [SelfFence(session_id=1)]
     assert new_agent.emit(1, 101, tokens(8)) is None
     assert new_agent.unacked_events(1, 101) == 1
     wal.assert_single_contiguous_streams()
@@ -254,5 +254,5 @@ def test_stale_lease_grant_for_superseded_epoch_rejected():
     grant = head.on_lease_renew(renew)
     agent.on_assign(head.assign_session(1, 6, LEASE, 0, "chatml"), 100)
     agent.on_lease_grant(grant, 100)
-    assert agent.poll(1200) == [AgentAction.SelfFence(session_id=1)]
+    assert agent.poll(1200) == [SelfFence(session_id=1)]
     assert head.on_lease_renew(renew) is None
