@@ -35,6 +35,7 @@ USAGE = f"""\
 usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>] \
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
+[--write-timeout-ms N] \
 [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
 [--session-retention-ms N]
@@ -54,6 +55,8 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
  SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests;
  --record <dir> writes each connection there as a transcript (superfluid-conformance show).
+ --write-timeout-ms (default 10000) drops a head that takes no bytes, or acknowledges no
+ tokens, that long while a generation's output waits for it (0: never).
  --max-connections (default 256) caps the connections open at once; --session-retention-ms
  (default 300000) is how long a session whose lease ran out is kept for a reconnecting head.
  --metrics-listen serves Prometheus text at /metrics and a health check at /health;
@@ -112,6 +115,7 @@ class Options:
     offline: bool = False
     handshake_timeout_ms: int = 10_000
     idle_timeout_ms: int = 30_000
+    write_timeout_ms: int = 10_000
     device: str = "auto"
     dtype: str = "auto"
     kv_budget_mb: int | None = None
@@ -196,6 +200,7 @@ FLAGS = {
     "--offline": ("offline", None),
     "--handshake-timeout-ms": ("handshake_timeout_ms", _count),
     "--idle-timeout-ms": ("idle_timeout_ms", _count),
+    "--write-timeout-ms": ("write_timeout_ms", _count),
     "--device": ("device", _device),
     "--dtype": ("dtype", _dtype),
     "--kv-budget-mb": ("kv_budget_mb", _count),

@@ -65,6 +65,7 @@ class Node:
             NodeAgent(daemon, identity, self.model_name)
             .with_max_lanes(opts.max_batch)
             .with_timeouts(self.handshake_s, opts.idle_timeout_ms / 1000)
+            .with_write_timeout(opts.write_timeout_ms / 1000)
             .with_auth(token)
             .with_observer(self.observer)
         )

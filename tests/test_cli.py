@@ -103,6 +103,11 @@ def test_version_prints_the_package_version_and_exits_0(home):
     assert re.fullmatch(r"superfluid-noded \d+\.\d+\.\d+\S*\n", out.stdout), out.stdout
 
 
+def test_the_write_timeout_is_a_flag_with_a_ten_second_default():
+    assert cli.parse_args(["--model", "builtin"]).write_timeout_ms == 10_000
+    assert cli.parse_args(["--model", "builtin", "--write-timeout-ms", "0"]).write_timeout_ms == 0
+
+
 def test_cuda_n_is_a_device_the_command_line_takes():
     assert cli.parse_args(["--model", "builtin", "--device", "cuda:1"]).device == "cuda:1"
 
