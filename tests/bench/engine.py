@@ -20,6 +20,7 @@ Run: .venv/bin/python -m pip install transformers && .venv/bin/python tests/benc
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -134,7 +135,8 @@ def bench(label: str, directory: Path) -> list[str]:
     """Print one model's figures; returns the targets it missed."""
     ours, theirs = Ours(directory), Theirs(directory)
     short = prompt(16)
-    prefill = PREFILL_TOKENS / best_time(lambda: ours.generate(prompt(PREFILL_TOKENS), 1))
+    fresh = itertools.count(1)  # a new prompt each time, so the prefix cache cannot answer it
+    prefill = PREFILL_TOKENS / best_time(lambda: ours.generate(prompt(PREFILL_TOKENS, next(fresh)), 1))
     one_lane = decode_rate(lambda n: ours.generate(short, n))
     eight_lanes = LANES * decode_rate(ours.lanes)
     hf_one_lane = decode_rate(lambda n: theirs.generate(short, n))
@@ -188,7 +190,10 @@ def chat_ttft(prefix_cache: bool) -> list[float]:
 
 
 def chat() -> list[str]:
-    on, off = chat_ttft(True), chat_ttft(False)
+    """Each mode twice on fresh engines, the better time per turn (the first token of one turn
+    is a single measurement, so one slow moment on a shared machine would decide it)."""
+    runs = {cache: [chat_ttft(cache) for _ in range(2)] for cache in (True, False)}
+    on, off = ([min(turn) for turn in zip(*runs[cache])] for cache in (True, False))
     ratios = [b / a for a, b in zip(on, off)]
     total = sum(CHAT_TURNS) + CHAT_REPLY * (len(CHAT_TURNS) - 1)
     print(f"\n== prefix reuse: a {len(CHAT_TURNS)}-turn chat of ~{total} tokens on builtin, time to first token")
@@ -208,8 +213,9 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def idle_rss(argv: list[str], ready: str) -> float:
-    """Resident MB of the process `argv` once it printed `ready` on stderr and sat a second."""
+def idle_rss_mb(argv: list[str], ready: str) -> float:
+    """Resident MB of the process `argv` once `ready` is in a line of its stderr and it has sat
+    a second."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
@@ -220,12 +226,21 @@ def idle_rss(argv: list[str], ready: str) -> float:
         return rss_mb(proc.pid)
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
+
+
+def bare_torch_rss_mb() -> float:
+    code = "import sys, time, torch; print('ready', file=sys.stderr, flush=True); time.sleep(600)"
+    return idle_rss_mb([sys.executable, "-c", code], "ready")
+
+
+def idle_node_rss_mb(model: str) -> float:
+    """A node serving `model` on loopback, once its serving line is out."""
+    return idle_rss_mb([sys.executable, "-m", "nodeagent", "--model", model, "--listen", "127.0.0.1:0"], "serving")
 
 
 def memory() -> list[str]:
-    bare = idle_rss([sys.executable, "-c", "import sys, torch; print('ready', file=sys.stderr, flush=True); sys.stdin.read()"], "ready")
-    node = idle_rss([sys.executable, "-m", "nodeagent", "--model", "builtin", "--listen", "127.0.0.1:0"], "serving")
+    bare, node = bare_torch_rss_mb(), idle_node_rss_mb("builtin")
     weights_mb = sum(t.numel() for t in random_tensors(BUILTIN_CONFIG, BUILTIN_SEED).values()) * 4 / 2**20
     limit = bare + RSS_WEIGHT_FACTOR * weights_mb + RSS_SLACK_MB
     print("\n== idle memory of superfluid-noded --model builtin (fp32, 256 MB KV budget)")
