@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from conformance import replay
-from conformance.scenario import SCENARIOS, Target
-from conformance.suite import UnknownScenario, junit, passed, run_suite, table
+from conformance.scenario import Target
+from conformance.suite import UnknownScenario, junit, passed, run_suite, select, table
 from linkf import transcript
 from linkf.secure import read_token
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_checks(args: argparse.Namespace) -> int:
     if args.list:
-        for s in SCENARIOS.values():
+        for s in select(None):
             print(f"{s.name:<32} {'(--mock) ' if s.mock else ''}{s.doc}")
         return 0
     only = [name for names in args.only or () for name in names.split(",") if name]

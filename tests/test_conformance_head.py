@@ -11,9 +11,10 @@ import time
 import pytest
 from polling import TIMEOUT, background
 
-from conformance import client
+from conformance import cli, client
 from conformance.head import FleetHead, HeadTimeout
 from conformance.reference import mock_tokens
+from conformance.suite import select
 from linkf.driver import Endpoint
 from nodeagent.wal import GenParams
 from proto.handshake import CapacitySummary, HelloAckF
@@ -120,3 +121,13 @@ def test_the_kit_never_imports_the_nodes_agent_or_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     loaded = ast.literal_eval(out.stdout)
     assert not [m for m in loaded if m.startswith(("nodeagent.agent", "nodeagent.engine", "nodeagent.daemon", "torch"))], loaded
+
+
+def test_the_conformance_command_lists_its_scenarios_and_refuses_unknown_ones(capsys):
+    assert cli.main(["127.0.0.1:1", "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == [s.name for s in select(None)] and len(listed) >= 39 and listed[0] == "hello-ack"
+    assert cli.main(["127.0.0.1:1", "--only", "cancel,no-such-thing"]) == 2
+    assert capsys.readouterr().err == "superfluid-conformance: no scenario named no-such-thing (see --list)\n"
+    assert cli.main(["127.0.0.1:1", "--auth-file", "/nonexistent/token"]) == 2
+    assert "cannot read --auth-file /nonexistent/token" in capsys.readouterr().err
