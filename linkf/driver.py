@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from proto import postcard
 from proto.envelope import MAX_FRAME, EnvelopeError, Frame, FrameClass, FrameDecoder, encode_frame, foreign_protocol
@@ -37,6 +38,8 @@ from .budget import PROCESS_BUDGET, BufferBudget
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
 from .secure import LINKF_ONLY, NoiseRole, SecureStream, key_from
 from .waker import Waker
+
+_P = TypeVar("_P")
 
 PROTO_VERSION = 3
 SUPPORTED_VERSIONS = (2, 3)
@@ -259,7 +262,7 @@ class Endpoint:
         runs at the version the node chose. ``timeout`` None waits forever."""
         deadline = _deadline(timeout)
         self._hello_version = versions[1]
-        self.send(msg_type.HELLO, Hello(proto_versions=tuple(versions), link_role=role, auth=bytes(auth)))
+        self.send(msg_type.HELLO, Hello(proto_versions=(versions[0], versions[1]), link_role=role, auth=bytes(auth)))
         ack = self._decode_payload(HelloAckF, self._first(msg_type.HELLO_ACK_F, "expected HelloAckF", deadline))
         if not versions[0] <= ack.chosen_version <= versions[1]:
             raise Protocol("peer chose a version that was not offered", peer=self.peer)
@@ -281,7 +284,7 @@ class Endpoint:
             raise Protocol(f"the peer speaks {foreign}; {LINKF_ONLY}", peer=self.peer) from None
         self._decoder.max_frame = MAX_FRAME
         hello = self._decode_payload(Hello, frame)
-        version = negotiate(tuple(hello.proto_versions), SUPPORTED_VERSIONS)
+        version = negotiate(hello.proto_versions, SUPPORTED_VERSIONS)
         if version is None:
             raise Protocol("no common proto version", peer=self.peer)
         if hello.link_role != LinkRole.HeadDaemon:
@@ -408,7 +411,7 @@ class Endpoint:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimedOut(f"no answer to the handshake ({reason})", peer=self.peer)
 
-    def _decode_payload(self, cls: type, frame: Frame) -> object:
+    def _decode_payload(self, cls: type[_P], frame: Frame) -> _P:
         try:
             return postcard.from_bytes(cls, frame.payload)
         except postcard.PostcardError as e:

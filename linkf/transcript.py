@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import cbor2
 
@@ -82,7 +83,7 @@ class Recorder:
         self._lock = threading.Lock()
 
     @classmethod
-    def create(cls, directory: Path, name: str, side: str, **header) -> Recorder:
+    def create(cls, directory: Path, name: str, side: str, **header: Any) -> Recorder:
         """A new transcript file `name` (made safe for a file name) in `directory`."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / (re.sub(r"[^A-Za-z0-9._-]+", "_", name) + ".cbor")
@@ -119,7 +120,7 @@ class Recorder:
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -140,7 +141,10 @@ def read(path: Path) -> Transcript:
         raise TranscriptError(f"{path}: transcript format {items[0].get('format')}, this kit reads {FORMAT}")
     try:
         records = [
-            Record(r["t_ms"], r["dir"], r["version"], r["msg_type"], r["seq"], bytes(r["payload"]), r.get("redacted", False))
+            Record(
+                r["t_ms"], r["dir"], r["version"], r["msg_type"], r["seq"], bytes(r["payload"]),
+                r.get("redacted", False),
+            )
             for r in items[1:]
         ]
     except (KeyError, TypeError) as e:

@@ -5,23 +5,34 @@ msg_type u16, seq u64, correlation_id u64, class u8) and the payload.
 """
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from struct import Struct
 from struct import error as StructError
+from typing import Literal
 
 MAX_FRAME = 16 * 1024 * 1024
-HEADER_LEN = 21
 DROPPABLE_BIT = 0x8000
 
+#: A frame's first bytes: the length prefix, then the header's fields in order. The one place
+#: the layout is spelled; whatever writes or reads a header by hand takes it from here.
+FRAME_HEAD = Struct("<IHHQQB")
 _PREFIX = Struct("<I")
-_HEADER = Struct("<IHHQQB")
-_FIELDS = Struct("<HHQQB")
+_FIELDS = Struct("<" + FRAME_HEAD.format.removeprefix(_PREFIX.format))
+HEADER_LEN = _FIELDS.size
 
 # Consumed bytes are dropped from the decoder's buffer once there are this many and they are at
 # least half of it, which keeps byte-at-a-time feeding linear.
 _COMPACT_AT = 1 << 16
 
-_SKIPPED = object()
+
+class _Skipped(enum.Enum):
+    """What `_take_frame` returns for a frame it consumed and dropped."""
+
+    SKIPPED = enum.auto()
+
+
+_SKIPPED = _Skipped.SKIPPED
 
 
 class FrameClass(enum.IntEnum):
@@ -29,7 +40,7 @@ class FrameClass(enum.IntEnum):
     DROPPABLE = 1
 
     @classmethod
-    def for_type(cls, msg_type):
+    def for_type(cls, msg_type: int) -> "FrameClass":
         """The class a `msg_type` must travel in: bit 15 set means droppable."""
         return cls.DROPPABLE if msg_type & DROPPABLE_BIT else cls.REQUIRED
 
@@ -49,14 +60,14 @@ class EnvelopeError(ValueError):
 
 
 class FrameTooLarge(EnvelopeError):
-    def __init__(self, length, max_len=MAX_FRAME):
+    def __init__(self, length: int, max_len: int = MAX_FRAME) -> None:
         super().__init__(f"frame length {length} exceeds the {max_len} byte cap")
         self.len = length
         self.max = max_len
 
 
 class ClassRangeMismatch(EnvelopeError):
-    def __init__(self, msg_type, class_byte, expected):
+    def __init__(self, msg_type: int, class_byte: int, expected: FrameClass) -> None:
         super().__init__(
             f"class byte {class_byte} for msg_type 0x{msg_type:04x} disagrees with its range "
             f"(expected {expected.name})"
@@ -67,25 +78,25 @@ class ClassRangeMismatch(EnvelopeError):
 
 
 class UnknownRequiredType(EnvelopeError):
-    def __init__(self, msg_type):
+    def __init__(self, msg_type: int) -> None:
         super().__init__(f"unknown msg_type 0x{msg_type:04x} in the required range")
         self.msg_type = msg_type
 
 
 class BadLength(EnvelopeError):
-    def __init__(self, length, min_len=HEADER_LEN):
+    def __init__(self, length: int, min_len: int = HEADER_LEN) -> None:
         super().__init__(f"frame length {length} is smaller than the {min_len} byte header")
         self.len = length
         self.min = min_len
 
 
 class Truncated(EnvelopeError):
-    def __init__(self, buffered):
+    def __init__(self, buffered: int) -> None:
         super().__init__(f"stream ended inside a frame ({buffered} bytes buffered)")
         self.buffered = buffered
 
 
-def encode_frame(frame):
+def encode_frame(frame: Frame) -> bytes:
     """The bytes of `frame`: its length prefix, header and payload."""
     expected = FrameClass.for_type(frame.msg_type)
     if frame.class_ != expected:
@@ -94,7 +105,7 @@ def encode_frame(frame):
     if length > MAX_FRAME:
         raise FrameTooLarge(length)
     try:
-        header = _HEADER.pack(
+        header = FRAME_HEAD.pack(
             length, frame.proto_version, frame.msg_type, frame.seq, frame.correlation_id, frame.class_
         )
     except StructError as e:
@@ -102,10 +113,12 @@ def encode_frame(frame):
     return header + frame.payload
 
 
-_HTTP_METHODS = (b"GET ", b"POST ", b"HEAD ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ", b"PRI ")
+_HTTP_METHODS = (
+    b"GET ", b"POST ", b"HEAD ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ", b"PRI "
+)
 
 
-def foreign_protocol(first):
+def foreign_protocol(first: bytes | bytearray | memoryview) -> str | None:
     """"HTTP" or "TLS" when the first bytes a peer sent (two or more) open a request of that
     protocol, else None. A peer's first Link F frame (HELLO) or Noise message is short, so its
     length never reads as these bytes do: a `curl` to the port is told apart from a bad frame."""
@@ -127,27 +140,27 @@ class FrameDecoder:
     accepted; a reader lowers it while only a small frame is legal (before HELLO).
     """
 
-    def __init__(self, is_known, max_frame=MAX_FRAME):
+    def __init__(self, is_known: Callable[[int], bool], max_frame: int = MAX_FRAME) -> None:
         self._is_known = is_known
         self.max_frame = max_frame
         self._buf = bytearray()
         self._pos = 0
 
-    def feed(self, data):
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
 
-    def decode_next(self):
+    def decode_next(self) -> Frame | None:
         """The next whole frame, or None until more bytes arrive."""
         while True:
             frame = self._take_frame()
             if frame is not _SKIPPED:
                 return frame
 
-    def buffered(self):
+    def buffered(self) -> int:
         """Bytes fed but not yet decoded: the start of a frame still incomplete."""
         return len(self._buf) - self._pos
 
-    def incomplete(self):
+    def incomplete(self) -> int:
         """Bytes the frame being received takes once whole, its length prefix included, as its
         header announces; what is buffered while the prefix is not in yet; 0 between frames.
         A reader reserves this much, so a frame it has let start can always finish."""
@@ -157,16 +170,16 @@ class FrameDecoder:
         (length,) = _PREFIX.unpack_from(self._buf, self._pos)
         return max(buffered, 4 + length)
 
-    def peek(self, n):
+    def peek(self, n: int) -> bytes:
         """The first `n` bytes not yet decoded (fewer when fewer are buffered)."""
         return bytes(self._buf[self._pos : self._pos + n])
 
-    def finish(self):
+    def finish(self) -> None:
         """Checks that the stream ended between frames."""
         if self.buffered():
             raise Truncated(self.buffered())
 
-    def _take_frame(self):
+    def _take_frame(self) -> Frame | None | Literal[_Skipped.SKIPPED]:
         """The next frame, None, or `_SKIPPED` for an unknown droppable one, consumed."""
         buf, pos = self._buf, self._pos
         if len(buf) - pos < 4:
@@ -192,7 +205,7 @@ class FrameDecoder:
             return _SKIPPED
         return Frame(version, msg_type, seq, correlation_id, expected, payload)
 
-    def _consume(self, end):
+    def _consume(self, end: int) -> None:
         if end == len(self._buf):
             self._buf.clear()
             self._pos = 0

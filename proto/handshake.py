@@ -8,7 +8,6 @@ import enum
 
 from proto.postcard import U16, U32, U64, Bytes, Str, Tuple, Vec, struct
 
-
 #: The longest frame a node reads before HELLO. HELLO holds two versions, a role and the fleet
 #: token, a few dozen bytes; a peer that has not said who it is gets no 16 MiB buffer.
 MAX_HELLO_FRAME = 16 * 1024
@@ -63,7 +62,7 @@ class HelloAckF:
     limits: LinkFLimits
 
 
-def negotiate(offered, supported):
+def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | None:
     """The highest version both `(lo, hi)` ranges hold, or None when they do not overlap."""
     lo = max(offered[0], supported[0])
     hi = min(offered[1], supported[1])

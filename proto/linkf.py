@@ -2,6 +2,7 @@
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from proto.handshake import CapacitySummary, Hello, HelloAckF
 from proto.handshake import LinkFLimits as LinkFLimits  # Rust's linkf::LinkFLimits, re-exported
@@ -21,86 +22,6 @@ from proto.postcard import (
     from_bytes,
     struct,
 )
-
-
-class msg_type:
-    """The `msg_type` of each Link F frame; those with bit 15 set are droppable."""
-
-    HELLO = 0x0001
-    HELLO_ACK_F = 0x0002
-    RECONCILE = 0x0003
-    RECONCILE_ACK = 0x0004
-    SESSION_ASSIGN = 0x0005
-    SESSION_REVOKE = 0x0006
-    POLICY_UPDATE = 0x0007
-    LEASE_RENEW = 0x0008
-    LEASE_GRANT = 0x0009
-    APPEND_CONTENT = 0x000A
-    GENERATE_REQ = 0x000B
-    PARK_REQ = 0x000C
-    RESUME_REQ = 0x000D
-    TOKEN_EVENTS = 0x000E
-    WATERMARK_ACK = 0x000F
-    XFER_BEGIN = 0x0010
-    XFER_CHUNK = 0x0011
-    XFER_END = 0x0012
-    XFER_ABORT = 0x0013
-    STATE_SHIP = 0x0014
-    STATE_FETCH = 0x0015
-    BLOB_FETCH = 0x0016
-    NODE_STATUS = 0x0017
-    GENERATE_CANCEL = 0x0018
-    STAGE_FORWARD_REQ = 0x0019
-    STAGE_FORWARD_RESP = 0x001A
-    TELEMETRY = 0x8001
-    KEEPALIVE = 0x8002
-
-
-ALL = (
-    msg_type.HELLO,
-    msg_type.HELLO_ACK_F,
-    msg_type.RECONCILE,
-    msg_type.RECONCILE_ACK,
-    msg_type.SESSION_ASSIGN,
-    msg_type.SESSION_REVOKE,
-    msg_type.POLICY_UPDATE,
-    msg_type.LEASE_RENEW,
-    msg_type.LEASE_GRANT,
-    msg_type.APPEND_CONTENT,
-    msg_type.GENERATE_REQ,
-    msg_type.PARK_REQ,
-    msg_type.RESUME_REQ,
-    msg_type.TOKEN_EVENTS,
-    msg_type.WATERMARK_ACK,
-    msg_type.XFER_BEGIN,
-    msg_type.XFER_CHUNK,
-    msg_type.XFER_END,
-    msg_type.XFER_ABORT,
-    msg_type.STATE_SHIP,
-    msg_type.STATE_FETCH,
-    msg_type.BLOB_FETCH,
-    msg_type.NODE_STATUS,
-    msg_type.GENERATE_CANCEL,
-    msg_type.STAGE_FORWARD_REQ,
-    msg_type.STAGE_FORWARD_RESP,
-    msg_type.TELEMETRY,
-    msg_type.KEEPALIVE,
-)
-
-_KNOWN = frozenset(ALL)
-
-
-def is_known_type(t):
-    return t in _KNOWN
-
-
-_NAMES = {getattr(msg_type, name): name for name in vars(msg_type) if name.isupper()}
-
-
-def type_name(t):
-    """A `msg_type` as people read it: `TOKEN_EVENTS`, or `0x0100` for one not in the catalog."""
-    return _NAMES.get(t, f"0x{t:04x}")
-
 
 # Nested types
 
@@ -394,39 +315,67 @@ class KeepAlive:
     """KEEPALIVE's payload, Rust's `()`: a struct with no fields, written as zero bytes."""
 
 
-PAYLOAD_TYPES = {
-    msg_type.HELLO: Hello,
-    msg_type.HELLO_ACK_F: HelloAckF,
-    msg_type.RECONCILE: ReconcileMsg,
-    msg_type.RECONCILE_ACK: ReconcileAckMsg,
-    msg_type.SESSION_ASSIGN: SessionAssignMsg,
-    msg_type.SESSION_REVOKE: SessionRevokeMsg,
-    msg_type.POLICY_UPDATE: PolicyUpdateMsg,
-    msg_type.LEASE_RENEW: LeaseRenewMsg,
-    msg_type.LEASE_GRANT: LeaseGrantMsg,
-    msg_type.APPEND_CONTENT: AppendContentMsg,
-    msg_type.GENERATE_REQ: GenerateReqMsg,
-    msg_type.PARK_REQ: ParkReqMsg,
-    msg_type.RESUME_REQ: ResumeReqMsg,
-    msg_type.TOKEN_EVENTS: TokenEventsMsg,
-    msg_type.WATERMARK_ACK: WatermarkAckMsg,
-    msg_type.XFER_BEGIN: XferBeginMsg,
-    msg_type.XFER_CHUNK: XferChunkMsg,
-    msg_type.XFER_END: XferEndMsg,
-    msg_type.XFER_ABORT: XferAbortMsg,
-    msg_type.STATE_SHIP: StateShipMsg,
-    msg_type.STATE_FETCH: StateFetchMsg,
-    msg_type.BLOB_FETCH: BlobFetchMsg,
-    msg_type.NODE_STATUS: NodeStatusMsg,
-    msg_type.GENERATE_CANCEL: GenerateCancelMsg,
-    msg_type.STAGE_FORWARD_REQ: StageForwardReqMsg,
-    msg_type.STAGE_FORWARD_RESP: StageForwardRespMsg,
-    msg_type.TELEMETRY: TelemetryMsg,
-    msg_type.KEEPALIVE: KeepAlive,
-}
+class MsgType(enum.IntEnum):
+    """The `msg_type` of each Link F frame, and `payload`, the class its payload decodes as.
+    Those with bit 15 set are droppable."""
+
+    payload: type
+
+    def __new__(cls, code: int, payload: type) -> "MsgType":
+        member = int.__new__(cls, code)
+        member._value_ = code
+        member.payload = payload
+        return member
+
+    HELLO = 0x0001, Hello
+    HELLO_ACK_F = 0x0002, HelloAckF
+    RECONCILE = 0x0003, ReconcileMsg
+    RECONCILE_ACK = 0x0004, ReconcileAckMsg
+    SESSION_ASSIGN = 0x0005, SessionAssignMsg
+    SESSION_REVOKE = 0x0006, SessionRevokeMsg
+    POLICY_UPDATE = 0x0007, PolicyUpdateMsg
+    LEASE_RENEW = 0x0008, LeaseRenewMsg
+    LEASE_GRANT = 0x0009, LeaseGrantMsg
+    APPEND_CONTENT = 0x000A, AppendContentMsg
+    GENERATE_REQ = 0x000B, GenerateReqMsg
+    PARK_REQ = 0x000C, ParkReqMsg
+    RESUME_REQ = 0x000D, ResumeReqMsg
+    TOKEN_EVENTS = 0x000E, TokenEventsMsg
+    WATERMARK_ACK = 0x000F, WatermarkAckMsg
+    XFER_BEGIN = 0x0010, XferBeginMsg
+    XFER_CHUNK = 0x0011, XferChunkMsg
+    XFER_END = 0x0012, XferEndMsg
+    XFER_ABORT = 0x0013, XferAbortMsg
+    STATE_SHIP = 0x0014, StateShipMsg
+    STATE_FETCH = 0x0015, StateFetchMsg
+    BLOB_FETCH = 0x0016, BlobFetchMsg
+    NODE_STATUS = 0x0017, NodeStatusMsg
+    GENERATE_CANCEL = 0x0018, GenerateCancelMsg
+    STAGE_FORWARD_REQ = 0x0019, StageForwardReqMsg
+    STAGE_FORWARD_RESP = 0x001A, StageForwardRespMsg
+    TELEMETRY = 0x8001, TelemetryMsg
+    KEEPALIVE = 0x8002, KeepAlive
 
 
-def decode_payload(t, payload):
+#: The name the Rust crate gives the catalog (`msg_type::NODE_STATUS`).
+msg_type = MsgType
+
+ALL = tuple(MsgType)
+PAYLOAD_TYPES: dict[int, type] = {t: t.payload for t in MsgType}
+_KNOWN = frozenset(MsgType)
+_NAMES: dict[int, str] = {t: t.name for t in MsgType}
+
+
+def is_known_type(t: int) -> bool:
+    return t in _KNOWN
+
+
+def type_name(t: int) -> str:
+    """A `msg_type` as people read it: `TOKEN_EVENTS`, or `0x0100` for one not in the catalog."""
+    return _NAMES.get(t, f"0x{t:04x}")
+
+
+def decode_payload(t: int, payload: bytes) -> Any:
     """The payload of a frame of type `t`; an unknown type is a `PostcardError` too."""
     cls = PAYLOAD_TYPES.get(t)
     if cls is None:

@@ -8,6 +8,11 @@ Each struct's encoder and decoder are compiled once, on first use, into Python f
 the scalar fields inlined; containers call their element type's own `encode` / `decode`.
 Decoding takes `(data, offset)` and returns `(value, next_offset)`; every failure is a
 `PostcardError` naming the field path and the byte offset.
+
+A varint is read by one piece of generated code (`_varint_src`), inlined wherever one is read:
+a struct's field, a varint list's element, a varint on its own. To a type checker the wire types
+are the Python types of their values (`U64` is `int`, `Vec[Str]` is `list[str]`), so a message's
+fields are typed as what they hold.
 """
 
 import bisect
@@ -15,8 +20,11 @@ import dataclasses
 import enum
 import operator
 from array import array
+from collections.abc import Callable, Iterable, Sequence
 from struct import Struct
 from struct import error as StructError
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, dataclass_transform
 
 __all__ = [
     "PostcardError",
@@ -41,6 +49,10 @@ __all__ = [
     "to_plain",
 ]
 
+_C = TypeVar("_C", bound=type)
+#: Names a value for generated code: puts it in the code's namespace, returns the name.
+_Ref = Callable[[object], str]
+
 
 class PostcardError(ValueError):
     """A value that cannot be written, or bytes that are not a valid encoding.
@@ -49,27 +61,27 @@ class PostcardError(ValueError):
     prefixes the type name.
     """
 
-    def __init__(self, reason, offset=None):
+    def __init__(self, reason: str, offset: int | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.offset = offset
         self.path = ""
 
-    def within(self, segment):
+    def within(self, segment: str) -> "PostcardError":
         self.path = segment + self.path
         return self
 
-    def __str__(self):
+    def __str__(self) -> str:
         where = "" if self.offset is None else f" at offset {self.offset}"
         head = f"{self.path}: " if self.path else ""
         return f"{head}{self.reason}{where}"
 
 
-def _eof(offset):
+def _eof(offset: int) -> PostcardError:
     return PostcardError("unexpected end of input", offset)
 
 
-def _as_error(exc, data=None):
+def _as_error(exc: BaseException, data: bytes | None = None) -> PostcardError:
     """The `PostcardError` for `exc`, raised while writing a value or reading one from `data`.
 
     Reading validates every length against the input first, so an index past the end always
@@ -86,6 +98,39 @@ _ENCODE_ERRORS = (TypeError, ValueError, AttributeError, OverflowError, IndexErr
 _DECODE_ERRORS = (PostcardError, IndexError, StructError)
 
 
+# Generated code
+
+
+def _function(ns: dict[str, Any], signature: str, body: list[str]) -> Callable[..., Any]:
+    """The function `def {signature}:` with `body`, compiled in namespace `ns`."""
+    name = signature.partition("(")[0]
+    source = "\n".join([f"def {signature}:", *_indent(body, 1)])
+    exec(compile(source, f"<postcard {name}>", "exec"), ns)
+    return ns.pop(name)
+
+
+def _indent(lines: Iterable[str], levels: int) -> list[str]:
+    pad = "    " * levels
+    return [pad + line for line in lines]
+
+
+def _namer(ns: dict[str, Any]) -> _Ref:
+    """A `ref` for generated code in `ns`."""
+
+    def ref(obj: object) -> str:
+        name = f"_r{len(ns)}"
+        ns[name] = obj
+        return name
+
+    return ref
+
+
+def _field_at(exc: BaseException, starts: Sequence[int]) -> int:
+    """The index of the field whose lines (starting at `starts`) `exc` came through."""
+    tb: TracebackType | None = exc.__traceback__
+    return bisect.bisect_right(starts, tb.tb_lineno if tb else 0) - 1
+
+
 # Varints
 
 _SMALL = 1 << 14
@@ -94,7 +139,7 @@ _VARINT = [bytes([v]) if v < 0x80 else bytes([v & 0x7F | 0x80, v >> 7]) for v in
 _LOW14 = [bytes([v & 0x7F | 0x80, v >> 7 | 0x80]) for v in range(_SMALL)]
 
 
-def _write_varint(v, bits):
+def _write_varint(v: Any, bits: int) -> bytes:
     """The LEB128 bytes of `v`, which must be an int in the unsigned `bits`-bit range."""
     try:
         v = operator.index(v)
@@ -109,45 +154,78 @@ def _write_varint(v, bits):
     return out + _VARINT[v]
 
 
-def _varint_reader(bits, start=0):
-    """A reader of a `bits`-bit varint at `p` of `d`, returning it and the offset after it: at
-    most ceil(bits/7) bytes, the last one holding only the bits that remain.
+def _len_prefix(n: int) -> bytes:
+    """The length prefix of `n` bytes or elements: a `usize`, written as a u64 varint."""
+    return _VARINT[n] if n < _SMALL else _write_varint(n, 64)
 
-    With `start`, the reader takes `(d, p, v)`: its first `start` bytes are already read into `v`.
-    It is generated unrolled, one step a byte, which costs half what a loop does in Python.
+
+def _varint_src(bits: int, to: str) -> list[str]:
+    """Source lines reading the `bits`-bit varint at offset `p` of bytes `d` into local `to` and
+    moving `p` past it: at most ceil(bits/7) bytes, the last one holding only the bits that
+    remain. Reading past the end is left to the caller, as an `IndexError`.
+
+    It is unrolled, one nested step a byte, which costs half what a loop does in Python. Each
+    byte is added whole, continuation bit and all, and the sum of the continuation bits seen is
+    taken off once, at the last byte: one- to three-byte varints, nearly all of them, cost an
+    index, a compare and an add a byte.
     """
     size = -(-bits // 7)
     last_max = (1 << (bits - 7 * (size - 1))) - 1
-    src = ["def read(d, p, v=0):", "    try:"]
-    for i in range(start, size):
-        src += [f"        b = d[p + {i}]", "        if b < 0x80:"]
+    src = [f"{to} = d[p]", f"if {to} < 0x80:", "    p += 1", "else:"]
+    depth = 1
+    for i in range(1, size):
+        continuations = sum(0x80 << 7 * j for j in range(i))
+        step = [f"b = d[p + {i}]", "if b < 0x80:"]
         if i == size - 1:
-            error = f"PostcardError('varint above the u{bits} range', p)"
-            src.append(f"            if b > {last_max}: raise {error}")
-        src += [f"            return v | b << {7 * i}, p + {i + 1}", f"        v |= (b & 0x7F) << {7 * i}"]
-    src += [
-        "    except IndexError:",
-        "        raise _eof(len(d)) from None",
-        f"    raise PostcardError('varint longer than {size} bytes', p)",
-    ]
-    ns = {"PostcardError": PostcardError, "_eof": _eof}
-    exec(compile("\n".join(src), f"<varint u{bits}>", "exec"), ns)
-    return ns["read"]
+            step.append(f"    if b > {last_max}: raise PostcardError('varint above the u{bits} range', p)")
+        step += [f"    {to} += (b << {7 * i}) - {continuations}", f"    p += {i + 1}", "else:"]
+        if i < size - 1:
+            step.append(f"    {to} += b << {7 * i}")
+        src += _indent(step, depth)
+        depth += 1
+    src += _indent([f"raise PostcardError('varint longer than {size} bytes', p)"], depth)
+    return src
 
 
-def _read_len(d, p):
-    """A length prefix (a `usize`, written as a u64 varint)."""
-    if p < len(d) and d[p] < 0x80:
-        return d[p], p + 1
-    return U64.decode(d, p)
-
-
-def _read_span(d, p):
+def _read_span(d: bytes, p: int) -> tuple[int, int]:
     """A length prefix at `p` and the offsets of that many bytes after it."""
     n, q = _read_len(d, p)
     if n > len(d) - q:
         raise PostcardError(f"length {n} runs past the end ({len(d) - q} bytes left)", p)
     return q, q + n
+
+
+def _check_bool(b: int, p: int) -> bool:
+    if b > 1:
+        raise PostcardError(f"invalid bool byte 0x{b:02x}", p)
+    return b == 1
+
+
+def _write_bool(v: Any) -> bytes:
+    if v is True:
+        return b"\x01"
+    if v is False:
+        return b"\x00"
+    raise PostcardError(f"expected a bool, got {type(v).__name__}")
+
+
+_F32 = Struct("<f")
+
+
+def _code_ns() -> dict[str, Any]:
+    """A namespace for generated code, holding what `enc_src` / `dec_src` lines call by name."""
+    return {
+        "_VARINT": _VARINT,
+        "_F32": _F32,
+        "_check_bool": _check_bool,
+        "_write_bool": _write_bool,
+        "_as_error": _as_error,
+        "_eof": _eof,
+        "_field_at": _field_at,
+        "_ENCODE_ERRORS": _ENCODE_ERRORS,
+        "_DECODE_ERRORS": _DECODE_ERRORS,
+        "PostcardError": PostcardError,
+    }
 
 
 # Wire types
@@ -164,174 +242,136 @@ class WireType:
 
     name = "?"
 
-    def zero(self):
+    def zero(self) -> Any:
         raise NotImplementedError
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         raise NotImplementedError
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[Any, int]:
         raise NotImplementedError
 
-    def value_of(self, d):
+    def value_of(self, d: bytes) -> Any:
         """The value at the start of `d`."""
         return self.decode(d, 0)[0]
 
-    def enc_src(self, ref):
+    def zero_sized(self) -> bool:
+        """Whether every value of this type is written as no bytes at all."""
+        return False
+
+    def enc_src(self, ref: _Ref) -> list[str]:
         return [f"{ref(self.encode)}(x, out)"]
 
-    def dec_src(self, ref, to):
+    def dec_src(self, ref: _Ref, to: str) -> list[str]:
         return [f"{to}, p = {ref(self.decode)}(d, p)"]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
 
 class _Varint(WireType):
-    def __init__(self, bits):
+    """An unsigned int of `bits` bits, as a LEB128 varint. Its own `encode` and `decode` are
+    compiled from the source it inlines into a struct."""
+
+    def __init__(self, bits: int) -> None:
         self.name = f"u{bits}"
         self.bits = bits
-        self.read = _varint_reader(bits)
-        self.read_rest = _varint_reader(bits, 3) if bits > 21 else None
+        ns = _code_ns()
+        ref = _namer(ns)
+        self.encode = _function(ns, "encode(x, out)", self.enc_src(ref))  # type: ignore[method-assign]
+        read = ["try:", *_indent(self.dec_src(ref, "v"), 1), "except IndexError:", "    raise _eof(len(d)) from None"]
+        self.decode = _function(ns, "decode(d, p)", [*read, "return v, p"])  # type: ignore[method-assign]
 
-    def zero(self):
+    def zero(self) -> int:
         return 0
 
-    def write(self, v):
+    def write(self, v: Any) -> bytes:
         return _write_varint(v, self.bits)
 
-    def encode(self, v, out):
-        out += _VARINT[v] if 0 <= v < _SMALL else self.write(v)
-
-    def decode(self, d, p):
-        if p >= len(d):
-            raise _eof(p)
-        b = d[p]
-        return (b, p + 1) if b < 0x80 else self.read(d, p)
-
-    def enc_src(self, ref):
+    def enc_src(self, ref: _Ref) -> list[str]:
         return [f"out += _VARINT[x] if 0 <= x < {_SMALL} else {ref(self.write)}(x)"]
 
-    def dec_src(self, ref, to):
-        """One- and two-byte varints inline, and three-byte ones unless that is the last byte
-        (where `- 0x4080` drops the two continuation bits)."""
-        src = [
-            f"{to} = d[p]",
-            f"if {to} < 0x80:",
-            "    p += 1",
-            "else:",
-            "    b1 = d[p + 1]",
-            "    if b1 < 0x80:",
-            f"        {to} = {to} & 0x7F | b1 << 7",
-            "        p += 2",
-        ]
-        if self.bits <= 21:
-            return src + ["    else:", f"        {to}, p = {ref(self.read)}(d, p)"]
-        return src + [
-            "    elif (b2 := d[p + 2]) < 0x80:",
-            f"        {to} += (b1 << 7) + (b2 << 14) - 0x4080",
-            "        p += 3",
-            "    else:",
-            f"        {to} = {to} & 0x7F | (b1 & 0x7F) << 7 | (b2 & 0x7F) << 14",
-            f"        {to}, p = {ref(self.read_rest)}(d, p, {to})",
-        ]
+    def dec_src(self, ref: _Ref, to: str) -> list[str]:
+        return _varint_src(self.bits, to)
 
 
 class _U8(WireType):
     name = "u8"
 
-    def zero(self):
+    def zero(self) -> int:
         return 0
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         out.append(v)
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[int, int]:
         if p >= len(d):
             raise _eof(p)
         return d[p], p + 1
 
-    def enc_src(self, ref):
+    def enc_src(self, ref: _Ref) -> list[str]:
         return ["out.append(x)"]
 
-    def dec_src(self, ref, to):
+    def dec_src(self, ref: _Ref, to: str) -> list[str]:
         return [f"{to} = d[p]", "p += 1"]
-
-
-def _check_bool(b, p):
-    if b > 1:
-        raise PostcardError(f"invalid bool byte 0x{b:02x}", p)
-    return b == 1
-
-
-def _write_bool(v):
-    if v is True:
-        return b"\x01"
-    if v is False:
-        return b"\x00"
-    raise PostcardError(f"expected a bool, got {type(v).__name__}")
 
 
 class _Bool(WireType):
     name = "bool"
 
-    def zero(self):
+    def zero(self) -> bool:
         return False
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         out += _write_bool(v)
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[bool, int]:
         if p >= len(d):
             raise _eof(p)
         return _check_bool(d[p], p), p + 1
 
-    def enc_src(self, ref):
+    def enc_src(self, ref: _Ref) -> list[str]:
         return ["out += _write_bool(x)"]
 
-    def dec_src(self, ref, to):
+    def dec_src(self, ref: _Ref, to: str) -> list[str]:
         return [f"{to} = _check_bool(d[p], p)", "p += 1"]
-
-
-_F32 = Struct("<f")
 
 
 class _F32Type(WireType):
     name = "f32"
 
-    def zero(self):
+    def zero(self) -> float:
         return 0.0
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         out += _F32.pack(v)
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[float, int]:
         if len(d) - p < 4:
             raise _eof(len(d))
         return _F32.unpack_from(d, p)[0], p + 4
 
-    def enc_src(self, ref):
+    def enc_src(self, ref: _Ref) -> list[str]:
         return ["out += _F32.pack(x)"]
 
-    def dec_src(self, ref, to):
+    def dec_src(self, ref: _Ref, to: str) -> list[str]:
         return [f"{to} = _F32.unpack_from(d, p)[0]", "p += 4"]
 
 
 class _Str(WireType):
     name = "String"
 
-    def zero(self):
+    def zero(self) -> str:
         return ""
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         if not isinstance(v, str):
             raise PostcardError(f"expected a str, got {type(v).__name__}")
         b = v.encode()
-        n = len(b)
-        out += _VARINT[n] if n < _SMALL else _write_varint(n, 64)
+        out += _len_prefix(len(b))
         out += b
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[str, int]:
         q, end = _read_span(d, p)
         try:
             return d[q:end].decode(), end
@@ -342,15 +382,14 @@ class _Str(WireType):
 class _Bytes(WireType):
     name = "Vec<u8>"
 
-    def zero(self):
+    def zero(self) -> bytes:
         return b""
 
-    def encode(self, v, out):
-        n = len(v)
-        out += _VARINT[n] if n < _SMALL else _write_varint(n, 64)
+    def encode(self, v: Any, out: bytearray) -> None:
+        out += _len_prefix(len(v))
         out += v
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[bytes, int]:
         q, end = _read_span(d, p)
         return d[q:end], end
 
@@ -358,15 +397,15 @@ class _Bytes(WireType):
 class _Array32(WireType):
     name = "[u8; 32]"
 
-    def zero(self):
+    def zero(self) -> bytes:
         return bytes(32)
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         if len(v) != 32:
             raise PostcardError(f"expected 32 bytes, got {len(v)}")
         out += v
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[bytes, int]:
         if len(d) - p < 32:
             raise _eof(len(d))
         return d[p : p + 32], p + 32
@@ -377,40 +416,37 @@ class _Unit(WireType):
 
     name = "()"
 
-    def zero(self):
+    def zero(self) -> None:
         return None
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         if v is not None:
             raise PostcardError(f"expected None for (), got {type(v).__name__}")
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[None, int]:
         return None, p
 
+    def zero_sized(self) -> bool:
+        return True
 
-U8 = _U8()
-Bool = _Bool()
-U16 = _Varint(16)
-U32 = _Varint(32)
-U64 = _Varint(64)
-F32 = _F32Type()
-Str = _Str()
-Bytes = _Bytes()
-Array32 = _Array32()
-Unit = _Unit()
+
+_U16 = _Varint(16)
+_U32 = _Varint(32)
+_U64 = _Varint(64)
+#: A length prefix at offset `p` of `d` (a `usize`, written as a u64 varint), and the offset after it.
+_read_len: Callable[[bytes, int], tuple[int, int]] = _U64.decode
 
 
 class _VecType(WireType):
-    def __init__(self, elem):
+    def __init__(self, elem: WireType) -> None:
         self.elem = elem
         self.name = f"Vec<{elem.name}>"
 
-    def zero(self):
+    def zero(self) -> list[Any]:
         return []
 
-    def encode(self, v, out):
-        n = len(v)
-        out += _VARINT[n] if n < _SMALL else _write_varint(n, 64)
+    def encode(self, v: Any, out: bytearray) -> None:
+        out += _len_prefix(len(v))
         put = self.elem.encode
         for i, x in enumerate(v):
             try:
@@ -418,9 +454,11 @@ class _VecType(WireType):
             except _ENCODE_ERRORS as e:
                 raise _as_error(e).within(f"[{i}]") from None
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[list[Any], int]:
         n, p = _read_len(d, p)
         if n > len(d) - p:
+            if self.elem.zero_sized():
+                return self._zero_sized_run(d, p, n)
             raise PostcardError(f"{n} elements cannot fit in the {len(d) - p} bytes left", p)
         get = self.elem.decode
         out = []
@@ -432,8 +470,18 @@ class _VecType(WireType):
             out.append(x)
         return out, p
 
+    def _zero_sized_run(self, d: bytes, p: int, n: int) -> tuple[list[Any], int]:
+        """`n` elements that take no bytes, as upstream postcard reads them: however many the
+        length says, with no input behind them. (No message of the catalog has such a list, so
+        no peer can make the node build one.)"""
+        get = self.elem.decode
+        try:
+            return [get(d, p)[0] for _ in range(n)], p
+        except MemoryError:
+            raise PostcardError(f"{n} elements of {self.elem.name} do not fit in memory", p) from None
 
-def _array_code(bits):
+
+def _array_code(bits: int) -> str:
     """The `array` type code of unsigned ints of `bits` bits."""
     return next(code for code in "BHILQ" if array(code).itemsize * 8 == bits)
 
@@ -446,92 +494,84 @@ class _VarintVec(_VecType):
     """`Vec<u16|u32|u64>`, token lists above all.
 
     Writing checks the whole list at once with `array` and joins cached varints in C; reading
-    handles the short varints inline. Any sequence of ints is written, bytes included.
+    inlines the element's varint in its loop. Any sequence of ints is written, bytes included.
     """
 
-    def __init__(self, elem):
+    def __init__(self, elem: _Varint) -> None:
         super().__init__(elem)
+        self.varint = elem
         self.code = _array_code(elem.bits)
-        self.cache = dict(enumerate(_VARINT))
+        self.cache: dict[int, bytes] = dict(enumerate(_VARINT))
+        self.cached = self.cache.__getitem__
+        loop = ["for i in range(len(out)):", *_indent(_varint_src(elem.bits, "x"), 1), "    out[i] = x"]
+        self.read_run = _function(
+            _code_ns(),
+            "read_run(d, p, out)",
+            [
+                "i = 0",
+                "try:",
+                *_indent(loop, 1),
+                "except IndexError:",
+                "    raise _eof(len(d)).within(f'[{i}]') from None",
+                "except PostcardError as e:",
+                "    raise e.within(f'[{i}]') from None",
+                "return p",
+            ],
+        )
 
-    def encode(self, v, out):
-        n = len(v)
-        out += _VARINT[n] if n < _SMALL else _write_varint(n, 64)
+    def encode(self, v: Any, out: bytearray) -> None:
+        out += _len_prefix(len(v))
         try:
             array(self.code, v)
         except (TypeError, ValueError, OverflowError):
             self._check_elements(v)
         try:
-            out += b"".join(map(self.cache.__getitem__, v))
+            out += b"".join(map(self.cached, v))
         except KeyError:
             out += self._encode_uncached(v)
 
-    def _encode_uncached(self, v):
-        cache, write = self.cache, self.elem.write
+    def _encode_uncached(self, v: Sequence[int]) -> bytes:
+        cache, write = self.cache, self.varint.write
         for x in v:
             if x not in cache and len(cache) < _VARINT_CACHE_MAX:
                 cache[x] = write(x)
         return b"".join([cache.get(x) or write(x) for x in v])
 
-    def _check_elements(self, v):
+    def _check_elements(self, v: Iterable[Any]) -> None:
         """Raises for the first element out of range, where `array` took `v` as a whole amiss."""
         for i, x in enumerate(v):
             try:
-                self.elem.write(x)
+                self.varint.write(x)
             except PostcardError as e:
                 raise e.within(f"[{i}]") from None
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[list[int], int]:
         n, p = _read_len(d, p)
         if n > len(d) - p:
             raise PostcardError(f"{n} elements cannot fit in the {len(d) - p} bytes left", p)
         run = d[p : p + n]
         if run.isascii():
             return list(run), p + n
-        read, read_rest = self.elem.read, self.elem.read_rest
         out = [0] * n
-        i = 0
-        try:
-            for i in range(n):
-                b = d[p]
-                if b < 0x80:
-                    p += 1
-                else:
-                    b1 = d[p + 1]
-                    if b1 < 0x80:
-                        b = b & 0x7F | b1 << 7
-                        p += 2
-                    elif not read_rest:
-                        b, p = read(d, p)
-                    elif (b2 := d[p + 2]) < 0x80:
-                        b += (b1 << 7) + (b2 << 14) - 0x4080
-                        p += 3
-                    else:
-                        b, p = read_rest(d, p, b & 0x7F | (b1 & 0x7F) << 7 | (b2 & 0x7F) << 14)
-                out[i] = b
-        except IndexError:
-            raise _eof(len(d)).within(f"[{i}]") from None
-        except PostcardError as e:
-            raise e.within(f"[{i}]") from None
-        return out, p
+        return out, self.read_run(d, p, out)
 
 
 class _OptionType(WireType):
-    def __init__(self, inner):
+    def __init__(self, inner: WireType) -> None:
         self.inner = inner
         self.name = f"Option<{inner.name}>"
 
-    def zero(self):
+    def zero(self) -> None:
         return None
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         if v is None:
             out.append(0)
         else:
             out.append(1)
             self.inner.encode(v, out)
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[Any, int]:
         if p >= len(d):
             raise _eof(p)
         tag = d[p]
@@ -543,23 +583,26 @@ class _OptionType(WireType):
 
 
 class _TupleType(WireType):
-    def __init__(self, elems):
+    def __init__(self, elems: tuple[WireType, ...]) -> None:
         self.elems = elems
         self.name = "(" + ", ".join(t.name for t in elems) + ")"
 
-    def zero(self):
+    def zero(self) -> tuple[Any, ...]:
         return tuple(t.zero() for t in self.elems)
 
-    def encode(self, v, out):
+    def zero_sized(self) -> bool:
+        return all(t.zero_sized() for t in self.elems)
+
+    def encode(self, v: Any, out: bytearray) -> None:
         if len(v) != len(self.elems):
             raise PostcardError(f"expected a {len(self.elems)}-tuple, got {len(v)} items")
-        for i, (t, x) in enumerate(zip(self.elems, v)):
+        for i, (t, x) in enumerate(zip(self.elems, v, strict=True)):
             try:
                 t.encode(x, out)
             except _ENCODE_ERRORS as e:
                 raise _as_error(e).within(f".{i}") from None
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[tuple[Any, ...], int]:
         out = []
         for i, t in enumerate(self.elems):
             try:
@@ -573,42 +616,41 @@ class _TupleType(WireType):
 class _Generic:
     """`Vec[T]`, `Option[T]`, `Tuple[T1, T2]`: one cached wire type per argument."""
 
-    def __init__(self, make):
+    def __init__(self, make: Callable[..., WireType]) -> None:
         self.make = make
-        self.cache = {}
+        self.cache: dict[tuple[Any, ...], WireType] = {}
 
-    def __getitem__(self, args):
+    def __getitem__(self, args: Any) -> WireType:
         key = args if isinstance(args, tuple) else (args,)
         if key not in self.cache:
             self.cache[key] = self.make(*map(wire_type, key))
         return self.cache[key]
 
 
-Vec = _Generic(lambda t: (_VarintVec if isinstance(t, _Varint) else _VecType)(t))
-Option = _Generic(_OptionType)
-Tuple = _Generic(lambda *ts: _TupleType(ts))
+def _vec_of(t: WireType) -> WireType:
+    return _VarintVec(t) if isinstance(t, _Varint) else _VecType(t)
 
 
 class _UnitEnum(WireType):
     """An `IntEnum` of unit variants: the variant index as a varint."""
 
-    def __init__(self, cls):
+    def __init__(self, cls: type[enum.IntEnum]) -> None:
         self.cls = cls
         self.name = cls.__name__
         self.members = tuple(cls)
         if [int(m) for m in self.members] != list(range(len(self.members))):
             raise TypeError(f"{cls.__name__}: values must be 0, 1, 2, ... in declaration order")
 
-    def zero(self):
+    def zero(self) -> enum.IntEnum:
         return self.members[0]
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         if not isinstance(v, self.cls):
             raise PostcardError(f"expected a {self.name}, got {type(v).__name__}")
         out += _VARINT[v]
 
-    def decode(self, d, p):
-        i, q = U32.decode(d, p)
+    def decode(self, d: bytes, p: int) -> tuple[enum.IntEnum, int]:
+        i, q = _U32.decode(d, p)
         if i >= len(self.members):
             raise PostcardError(f"unknown {self.name} variant {i}", p)
         return self.members[i], q
@@ -621,40 +663,40 @@ class _DataEnum(WireType):
     writes exactly as the wrapped value. An error's path goes on with the variant's fields.
     """
 
-    def __init__(self, cls):
+    def __init__(self, cls: type) -> None:
         self.cls = cls
         self.name = cls.__name__
-        self.variants = cls._variants
+        self.variants: tuple[type, ...] = cls._variants  # type: ignore[attr-defined]
         self.structs = [_struct_of(v) for v in self.variants]
-        self.writers = None
+        self.writers: dict[type, tuple[bytes, Callable[[Any, bytearray], None]]] | None = None
 
-    def zero(self):
+    def zero(self) -> Any:
         return self.variants[0]()
 
-    def _writers(self):
+    def _writers(self) -> dict[type, tuple[bytes, Callable[[Any, bytearray], None]]]:
         """Each variant's index bytes and field encoder, by its class (made on first use, as
         the variants compile then)."""
         if self.writers is None:
             self.writers = {
                 v: (_VARINT[i], s.compiled_encode())
-                for i, (v, s) in enumerate(zip(self.variants, self.structs))
+                for i, (v, s) in enumerate(zip(self.variants, self.structs, strict=True))
             }
         return self.writers
 
-    def encode(self, v, out):
+    def encode(self, v: Any, out: bytearray) -> None:
         found = self._writers().get(type(v))
         if found is None:
             raise PostcardError(f"expected a {self.name} variant, got {type(v).__name__}")
         out += found[0]
         found[1](v, out)
 
-    def decode(self, d, p):
-        i, q = U32.decode(d, p)
+    def decode(self, d: bytes, p: int) -> tuple[Any, int]:
+        i, q = _U32.decode(d, p)
         if i >= len(self.structs):
             raise PostcardError(f"unknown {self.name} variant {i}", p)
         return self.structs[i].decode(d, q)
 
-    def enc_src(self, ref):
+    def enc_src(self, ref: _Ref) -> list[str]:
         return [
             f"w = {ref(self._writers())}.get(type(x))",
             "if w is None:",
@@ -664,7 +706,7 @@ class _DataEnum(WireType):
             "    w[1](x, out)",
         ]
 
-    def dec_src(self, ref, to):
+    def dec_src(self, ref: _Ref, to: str) -> list[str]:
         readers = tuple(s.compiled_decode() for s in self.structs)
         return [
             f"if d[p] < {len(readers)}:",
@@ -680,41 +722,47 @@ class _DataEnum(WireType):
 class _StructType(WireType):
     """A dataclass, compiled on first use into an encoder and a decoder with inlined scalars."""
 
-    def __init__(self, cls):
+    def __init__(self, cls: type) -> None:
         self.cls = cls
         self.name = cls.__name__
         self.compiled = False
 
-    def zero(self):
+    def zero(self) -> Any:
         return self.cls()
 
-    def encode(self, v, out):
+    def zero_sized(self) -> bool:
+        return all(t.zero_sized() for _, t in self._fields())
+
+    def encode(self, v: Any, out: bytearray) -> None:
         self._compile()
         self.encode(v, out)
 
-    def decode(self, d, p):
+    def decode(self, d: bytes, p: int) -> tuple[Any, int]:
         self._compile()
         return self.decode(d, p)
 
-    def value_of(self, d):
+    def value_of(self, d: bytes) -> Any:
         self._compile()
         return self.value_of(d)
 
-    def enc_src(self, ref):
+    def enc_src(self, ref: _Ref) -> list[str]:
         return [f"{ref(self.compiled_encode())}(x, out)"]
 
-    def dec_src(self, ref, to):
+    def dec_src(self, ref: _Ref, to: str) -> list[str]:
         return [f"{to}, p = {ref(self.compiled_decode())}(d, p)"]
 
-    def compiled_encode(self):
+    def compiled_encode(self) -> Callable[[Any, bytearray], None]:
         self._compile()
         return self.encode
 
-    def compiled_decode(self):
+    def compiled_decode(self) -> Callable[[bytes, int], tuple[Any, int]]:
         self._compile()
         return self.decode
 
-    def _compile(self):
+    def _fields(self) -> list[tuple[str, WireType]]:
+        return [(f.name, wire_type(f.type)) for f in dataclasses.fields(self.cls)]
+
+    def _compile(self) -> None:
         """Replaces `encode`, `decode` and `value_of` on this instance with compiled functions.
 
         Threads racing here each compile and set the same functions; `compiled` is set last, so
@@ -722,32 +770,15 @@ class _StructType(WireType):
         """
         if self.compiled:
             return
-        fields = [(f.name, wire_type(f.type)) for f in dataclasses.fields(self.cls)]
-        ns = {
-            "_VARINT": _VARINT,
-            "_F32": _F32,
-            "_check_bool": _check_bool,
-            "_write_bool": _write_bool,
-            "_as_error": _as_error,
-            "_field_at": _field_at,
-            "_ENCODE_ERRORS": _ENCODE_ERRORS,
-            "_DECODE_ERRORS": _DECODE_ERRORS,
-            "NEW": self.cls,
-            "_new": object.__new__,
-        }
-
-        def ref(obj):
-            name = f"_r{len(ns)}"
-            ns[name] = obj
-            return name
-
-        source = _struct_source(fields, ref, _assigns_only(self.cls))
+        ns = _code_ns()
+        ns.update(NEW=self.cls, _new=object.__new__)
+        source = _struct_source(self._fields(), _namer(ns), _assigns_only(self.cls))
         exec(compile(source, f"<postcard {self.name}>", "exec"), ns)
-        self.encode, self.decode, self.value_of = ns["encode"], ns["decode"], ns["value_of"]
+        self.encode, self.decode, self.value_of = ns["encode"], ns["decode"], ns["value_of"]  # type: ignore[method-assign]
         self.compiled = True
 
 
-def _struct_source(fields, ref, assign):
+def _struct_source(fields: list[tuple[str, WireType]], ref: _Ref, assign: bool) -> str:
     """The source of `encode(v, out)`, `decode(d, p)` and `value_of(d)` for a struct of
     `fields`; with `assign`, decoding sets the fields on a bare instance rather than calling the
     class. `value_of` is `decode` at offset 0 returning the value alone, the top level's
@@ -761,12 +792,13 @@ def _struct_source(fields, ref, assign):
         return "\n".join(empty + ["def value_of(d):", "    return NEW()"])
     names = ref(tuple("." + name for name, _ in fields))
     enc, enc_starts = ["def encode(v, out):", "    try:"], []
-    body, body_starts = [], []
+    body: list[str] = []
+    body_starts = []
     for i, (name, t) in enumerate(fields):
         enc_starts.append(len(enc) + 1)
-        enc += [f"        x = v.{name}"] + ["        " + line for line in t.enc_src(ref)]
+        enc += [f"        x = v.{name}", *_indent(t.enc_src(ref), 2)]
         body_starts.append(len(body))
-        body += ["        " + line for line in t.dec_src(ref, f"x{i}")]
+        body += _indent(t.dec_src(ref, f"x{i}"), 2)
     enc += [
         "    except _ENCODE_ERRORS as e:",
         f"        raise _as_error(e).within({names}[_field_at(e, {ref(enc_starts)})]) from None",
@@ -789,22 +821,17 @@ def _struct_source(fields, ref, assign):
     return "\n".join(lines)
 
 
-def _assigns_only(cls):
+def _assigns_only(cls: type) -> bool:
     """Whether `cls(*fields)` does nothing but set its fields, which a decoder can do itself
     faster: so for a `struct` with the dataclass `__init__` and no `__post_init__`."""
-    return cls.__dict__.get("_assigns_only", False)
+    return bool(cls.__dict__.get("_assigns_only", False))
 
 
-def _field_at(exc, starts):
-    """The index of the field whose lines (starting at `starts`) `exc` came through."""
-    return bisect.bisect_right(starts, exc.__traceback__.tb_lineno) - 1
+_STRUCTS: dict[type, _StructType] = {}
+_TYPES: dict[Any, WireType] = {}
 
 
-_STRUCTS = {}
-_TYPES = {}
-
-
-def _struct_of(cls):
+def _struct_of(cls: type) -> _StructType:
     """The fields of dataclass `cls` as a struct (for a variant: without its index)."""
     t = _STRUCTS.get(cls)
     if t is None:
@@ -812,7 +839,7 @@ def _struct_of(cls):
     return t
 
 
-def wire_type(annotation):
+def wire_type(annotation: Any) -> WireType:
     """The wire type an annotation stands for: a wire type, a dataclass, an IntEnum or a
     `data_enum` (for which each variant's class stands too)."""
     t = _TYPES.get(annotation)
@@ -827,7 +854,7 @@ def wire_type(annotation):
     elif "_variants" in annotation.__dict__:
         t = _DataEnum(annotation)
     elif "_enum" in annotation.__dict__:
-        t = wire_type(annotation._enum)
+        t = wire_type(annotation.__dict__["_enum"])
     elif dataclasses.is_dataclass(annotation):
         t = _struct_of(annotation)
     else:
@@ -836,7 +863,7 @@ def wire_type(annotation):
     return t
 
 
-def _zero_field(t):
+def _zero_field(t: WireType) -> Any:
     """A dataclass field defaulting to `t`'s zero value (a factory for the mutable ones)."""
     zero = t.zero()
     try:
@@ -846,30 +873,64 @@ def _zero_field(t):
     return dataclasses.field(default=zero)
 
 
-def struct(cls):
+@dataclass_transform()
+def struct(cls: _C) -> _C:
     """Makes `cls` a dataclass whose fields without a default default to their zero value."""
     for name, annotation in cls.__dict__.get("__annotations__", {}).items():
         if name not in cls.__dict__:
             setattr(cls, name, _zero_field(wire_type(annotation)))
-    cls._assigns_only = "__init__" not in cls.__dict__ and not hasattr(cls, "__post_init__")
-    return dataclasses.dataclass(cls)
+    setattr(cls, "_assigns_only", "__init__" not in cls.__dict__ and not hasattr(cls, "__post_init__"))
+    dataclasses.dataclass(cls)  # makes `cls` a dataclass in place
+    return cls
 
 
-def data_enum(cls):
+def data_enum(cls: _C) -> _C:
     """Marks `cls` as a Rust enum with data; its nested dataclasses are the variants, indexed in
     declaration order."""
-    cls._variants = tuple(
-        v for v in cls.__dict__.values() if isinstance(v, type) and dataclasses.is_dataclass(v)
-    )
-    for v in cls._variants:
-        v._enum = cls
+    variants = tuple(v for v in cls.__dict__.values() if isinstance(v, type) and dataclasses.is_dataclass(v))
+    setattr(cls, "_variants", variants)
+    for v in variants:
+        setattr(v, "_enum", cls)
     return cls
+
+
+# The wire types by their Rust names. A type checker sees each as the type of its values.
+
+if TYPE_CHECKING:
+    _T = TypeVar("_T")
+    U8: TypeAlias = int
+    Bool: TypeAlias = bool
+    U16: TypeAlias = int
+    U32: TypeAlias = int
+    U64: TypeAlias = int
+    F32: TypeAlias = float
+    Str: TypeAlias = str
+    Bytes: TypeAlias = bytes
+    Array32: TypeAlias = bytes
+    Unit: TypeAlias = None
+    Vec: TypeAlias = list
+    Option: TypeAlias = _T | None
+    from typing import Tuple as Tuple  # noqa: UP035 - `tuple` cannot be aliased with its arguments open
+else:
+    U8 = _U8()
+    Bool = _Bool()
+    U16 = _U16
+    U32 = _U32
+    U64 = _U64
+    F32 = _F32Type()
+    Str = _Str()
+    Bytes = _Bytes()
+    Array32 = _Array32()
+    Unit = _Unit()
+    Vec = _Generic(_vec_of)
+    Option = _Generic(_OptionType)
+    Tuple = _Generic(lambda *ts: _TupleType(ts))
 
 
 # Entry points
 
 
-def to_bytes(value, wire=None):
+def to_bytes(value: Any, wire: Any = None) -> bytes:
     """The postcard bytes of `value`, of type `wire` (by default its own class, a dataclass)."""
     t = wire_type(type(value) if wire is None else wire)
     out = bytearray()
@@ -880,7 +941,7 @@ def to_bytes(value, wire=None):
     return bytes(out)
 
 
-def from_bytes(cls, data):
+def from_bytes(cls: Any, data: Any) -> Any:
     """The `cls` value at the start of `data`; bytes after it are ignored, as Rust's
     `postcard::from_bytes` does."""
     try:
@@ -898,7 +959,7 @@ def from_bytes(cls, data):
         raise e.within(t.name) from None
 
 
-def to_plain(value):
+def to_plain(value: Any) -> Any:
     """`value` as plain data: structs as dicts of their fields, a data-enum variant as
     `{variant name: fields}`, sequences as lists, enums as ints. The form our cbor2 vectors and
     transcripts keep, since they outlive any one version of these classes."""

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from proto import HEADER_LEN, MAX_FRAME, EnvelopeError, Frame, FrameClass, FrameDecoder, encode_frame
-from proto.envelope import BadLength, ClassRangeMismatch, FrameTooLarge, Truncated, UnknownRequiredType
+from proto.envelope import FRAME_HEAD, BadLength, ClassRangeMismatch, FrameTooLarge, Truncated, UnknownRequiredType
 from proto.linkf import is_known_type, msg_type
 
 PING = msg_type.LEASE_RENEW
@@ -28,7 +28,7 @@ def frame(t, payload=b"", seq=1, version=2, correlation_id=0, class_=None):
 
 
 def raw_header(length, t, class_byte, version=1):
-    return struct.pack("<IHHQQB", length, version, t, 0, 0, class_byte)
+    return FRAME_HEAD.pack(length, version, t, 0, 0, class_byte)
 
 
 def test_round_trip_single_frame():

@@ -236,6 +236,20 @@ def test_vec_length_beyond_the_input_is_rejected_before_reading():
     assert "cannot fit" in e.reason
 
 
+def test_vec_of_zero_sized_elements_is_its_length_alone():
+    """As upstream postcard reads it: as many elements as the length says, no bytes behind them."""
+
+    @struct
+    class Empty:
+        pass
+
+    assert to_bytes([None, None, None], Vec[Unit]) == h("03")
+    assert from_bytes(Vec[Unit], h("03")) == [None, None, None]
+    assert from_bytes(Vec[Empty], h("02 07")) == [Empty(), Empty()]
+    assert from_bytes(Tuple[Vec[Tuple[Unit, Unit]], U8], h("81 01 07")) == ([(None, None)] * 129, 7)
+    assert "cannot fit" in decode_error(Vec[Tuple[Unit, U8]], h("02 00")).reason
+
+
 def test_option_tags():
     assert to_bytes(None, Option[U32]) == b"\x00"
     assert to_bytes(300, Option[U32]) == h("01 ac 02")

@@ -113,3 +113,58 @@ def test_varints_roundtrip_with_trailing_bytes_ignored(value, extra):
         else:
             with pytest.raises(PostcardError):
                 to_bytes(value, wire)
+
+
+@pc.struct
+class _Field16:
+    v: pc.U16
+
+
+@pc.struct
+class _Field32:
+    v: pc.U32
+
+
+@pc.struct
+class _Field64:
+    v: pc.U64
+
+
+def reference_varint(data, bits):
+    """LEB128 as upstream postcard reads it, a byte at a time: the value, or (reason, offset)."""
+    size = -(-bits // 7)
+    value = 0
+    for i in range(size):
+        if i >= len(data):
+            return ("unexpected end of input", len(data))
+        b = data[i]
+        value |= (b & 0x7F) << 7 * i
+        if b < 0x80:
+            if i == size - 1 and b >> (bits - 7 * i):
+                return (f"varint above the u{bits} range", 0)
+            return value
+    return (f"varint longer than {size} bytes", 0)
+
+
+def read(wire, data):
+    try:
+        return from_bytes(wire, data)
+    except PostcardError as e:
+        return (e.reason, e.offset)
+
+
+# Continuation bytes, and the bytes about each width's largest last byte (u64 1, u16 3, u32 15).
+VARINT_BYTES = st.sampled_from([0x80, 0x81, 0xFF, 0, 1, 2, 3, 4, 15, 16, 0x7F]) | st.integers(0, 255)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.lists(VARINT_BYTES, min_size=1, max_size=12).map(bytes))
+def test_a_varint_reads_alike_alone_in_a_struct_and_in_a_list(data):
+    """The one generated varint reader, inlined three ways, against a plain byte loop."""
+    for wire, field, bits in [(pc.U16, _Field16, 16), (pc.U32, _Field32, 32), (pc.U64, _Field64, 64)]:
+        expected = reference_varint(data, bits)
+        assert read(wire, data) == expected
+        in_struct = read(field, data)
+        assert in_struct == (expected if isinstance(expected, tuple) else field(v=expected))
+        in_list = read(pc.Vec[wire], b"\x01" + data)
+        assert in_list == ((expected[0], expected[1] + 1) if isinstance(expected, tuple) else [expected])
