@@ -362,7 +362,8 @@ def self_fence(ctx: Context) -> None:
     lease = Lease(duration_ms=800, renew_by_ms=400)
     placed = time.monotonic()
     session, epoch = ctx.place(head, PROMPT, lease=lease)
-    running(ctx, head, session)
+    # Not waiting for its first tokens: a loaded node may not send any before the lease ends.
+    head.request(session, LONG, LONG_WALL_MS)
     expiry = placed + lease.duration_ms / 1000
     head.idle(max(expiry + GRACE_S + 1.2 - time.monotonic(), 0))
     late = [
