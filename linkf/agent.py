@@ -12,10 +12,10 @@ then it is forgotten, so memory does not grow with every session a node ever hel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from proto.idempotency import CommandTable, LeaseClock, RetryBuffer
 from proto.linkf import (
+    AnyTokenEventPayload,
     GenerateReqMsg,
     Lease,
     LeaseGrantMsg,
@@ -38,9 +38,6 @@ from proto.linkf import (
 #: reconnect backoff, so a head that comes back reconciles it, and a late replay of one of its
 #: commands is still refused.
 DEFAULT_RETENTION_MS = 300_000
-
-#: One of `TokenEventPayload`'s variants (a type checker does not see them as its subclasses).
-_Payload = Any
 
 
 class AgentAction:
@@ -148,7 +145,7 @@ class AgentSession:
         s = self._live(session_id, epoch)
         return s is not None and s.commands.apply(command_id, tuple)[1]
 
-    def emit(self, session_id: int, generation_id: int, payload: _Payload) -> TokenEventsMsg | None:
+    def emit(self, session_id: int, generation_id: int, payload: AnyTokenEventPayload) -> TokenEventsMsg | None:
         """The next event of a generation as a one-event batch, kept for retransmission; None
         when the session is unknown or fenced, or the generation is unknown or superseded."""
         s = self._sessions.get(session_id)

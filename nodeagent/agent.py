@@ -601,7 +601,7 @@ class NodeAgent:
             self.shared.agent.on_lease_grant(m, self.now_ms())
         self.asked.pop(m.session_id, None)
 
-    _handlers = {
+    _handlers: dict[int, Callable[..., None]] = {
         msg_type.RECONCILE: on_reconcile,
         msg_type.SESSION_ASSIGN: on_assign,
         msg_type.SESSION_REVOKE: on_revoke,

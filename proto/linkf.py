@@ -116,13 +116,20 @@ class TokenEventPayload:
         reason: U32
 
 
+#: A `TokenEventPayload` value, any of its variants: the type of a field holding one (the
+#: variants are not subclasses of the enum's class).
+AnyTokenEventPayload = (
+    TokenEventPayload.Tokens | TokenEventPayload.Segment | TokenEventPayload.Usage | TokenEventPayload.Finish
+)
+
+
 @struct
 class TokenEvent:
     session_id: U64
     epoch: U64
     generation_id: U64
     event_seq: U64
-    payload: TokenEventPayload
+    payload: AnyTokenEventPayload
 
 
 # Payloads, in msg_type order

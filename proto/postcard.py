@@ -19,6 +19,8 @@ import bisect
 import dataclasses
 import enum
 import operator
+import types
+import typing
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from struct import Struct
@@ -841,12 +843,15 @@ def _struct_of(cls: type) -> _StructType:
 
 def wire_type(annotation: Any) -> WireType:
     """The wire type an annotation stands for: a wire type, a dataclass, an IntEnum or a
-    `data_enum` (for which each variant's class stands too)."""
+    `data_enum` (for which each variant's class stands too, and the union of all its variants,
+    which is how a field holding one is typed)."""
     t = _TYPES.get(annotation)
     if t is not None:
         return t
     if isinstance(annotation, WireType):
         return annotation
+    if isinstance(annotation, types.UnionType):
+        return _variants_union(annotation)
     if not isinstance(annotation, type):
         raise TypeError(f"{annotation!r} is not a postcard wire type")
     if issubclass(annotation, enum.IntEnum):
@@ -860,6 +865,16 @@ def wire_type(annotation: Any) -> WireType:
     else:
         raise TypeError(f"{annotation!r} is not a postcard wire type")
     _TYPES[annotation] = t
+    return t
+
+
+def _variants_union(annotation: types.UnionType) -> WireType:
+    """The `data_enum` whose variants, all of them, make up `annotation`."""
+    members = typing.get_args(annotation)
+    enums = {wire_type(m) for m in members}
+    t = enums.pop()
+    if enums or not isinstance(t, _DataEnum) or set(members) != set(t.variants):
+        raise TypeError(f"{annotation!r} is not the union of one data_enum's variants")
     return t
 
 

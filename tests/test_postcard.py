@@ -46,6 +46,7 @@ from proto.postcard import (
     from_bytes,
     struct,
     to_bytes,
+    wire_type,
 )
 
 
@@ -297,6 +298,15 @@ def test_data_enum_is_index_then_fields():
     assert from_bytes(TokenEventPayload, h("01 02 01 61")) == TokenEventPayload.Segment(kind=SegmentKind.ToolCallDelta, data=b"a")
     e = decode_error(TokenEventPayload, h("04"))
     assert (e.reason, e.offset) == ("unknown TokenEventPayload variant 4", 0)
+
+
+def test_a_data_enum_field_is_typed_as_the_union_of_all_its_variants():
+    variants = TokenEventPayload.Tokens | TokenEventPayload.Segment | TokenEventPayload.Usage | TokenEventPayload.Finish
+    assert wire_type(variants) is wire_type(TokenEventPayload)
+    with pytest.raises(TypeError):
+        wire_type(TokenEventPayload.Tokens | TokenEventPayload.Finish)
+    with pytest.raises(TypeError):
+        wire_type(Lease | LeaseGrantMsg)
 
 
 def test_data_enum_field_takes_variants_only():
