@@ -96,11 +96,15 @@ def concurrent_heads(ctx: Context) -> None:
         t.join(ctx.target.timeout * 2)
     check(not any(t.is_alive() for t in threads), "a head is still waiting")
     for i in range(HEADS):
-        if isinstance(results[i], BaseException):
-            raise results[i]
+        got = results[i]
+        if isinstance(got, BaseException):
+            raise got
     alone = ctx.head()
     for i, prompt in enumerate(prompts):
-        want = mock_tokens(prompt, 12) if ctx.target.mock else generated(ctx, alone, ctx.place(alone, prompt)[0], 12).tokens
+        if ctx.target.mock:
+            want = mock_tokens(prompt, 12)
+        else:
+            want = generated(ctx, alone, ctx.place(alone, prompt)[0], 12).tokens
         check(results[i] == want, f"head {i} got other tokens than {'the mock' if ctx.target.mock else 'alone'}")
 
 

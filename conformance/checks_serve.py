@@ -139,7 +139,8 @@ def mock_exact(ctx: Context) -> None:
     """Every generation equals the fleet mock's tokens (several prompts, seeds, max_new 0), and so
     does a stage forward."""
     head = ctx.head()
-    for prompt, seed, max_new in (([1, 2, 3], 0, 12), (list(range(500, 540)), 11, 33), ([7], 2**64 - 3, 5), ([4], 0, 0)):
+    cases = (([1, 2, 3], 0, 12), (list(range(500, 540)), 11, 33), ([7], 2**64 - 3, 5), ([4], 0, 0))
+    for prompt, seed, max_new in cases:
         session = ctx.session()
         head.assign(session, GenParams(temperature=0.7, top_k=40, seed=seed))
         head.append(session, prompt)
@@ -159,9 +160,9 @@ def mock_stage_exact(ctx: Context) -> None:
     whole = mock_stage(tokens, 0, MOCK_LAYERS)
     for k in (0, 1, 12, 23):
         first = head.stage(tokens, 0, k, timeout=ctx.target.timeout)
-        check(first.hidden == mock_stage(tokens, 0, k) and first.token is None, f"[0,{k}) gave {first}")
+        check(first.hidden == mock_stage(tokens, 0, k) and first.token is None, f"[0,{k}) gave {first!r}")
         rest = head.stage([], k, MOCK_LAYERS, first.hidden, timeout=ctx.target.timeout)
-        check(rest.token == whole and rest.hidden is None, f"[{k},24) gave {rest}, [0,24) is token {whole}")
+        check(rest.token == whole and rest.hidden is None, f"[{k},24) gave {rest!r}, [0,24) is token {whole!r}")
 
 
 @scenario("stage-bad-range-answered")
@@ -269,10 +270,9 @@ def decline_replayed(ctx: Context) -> None:
 def decline_running(ctx: Context) -> None:
     """A second GENERATE_REQ while one runs on the link is declined at once; the first goes on."""
     head = ctx.head()
-    session, _ = ctx.place(head, PROMPT)
+    session, epoch = ctx.place(head, PROMPT)
     first = running(ctx, head, session)
-    declined(ctx, head, head.session.generate(session, head.next_id(), first.budgets), "a second generation",
-             PROMPT_ANSWER_S)
+    declined(ctx, head, hand_built(head, session, epoch), "a second generation", PROMPT_ANSWER_S)
     check(not head.finished((session, first.generation_id)), "the running generation ended with the decline")
     head.cancel(first)
     head.collect(first, timeout=ctx.target.timeout)

@@ -45,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     prompt.add_argument("--text", help="a plain-text prompt, through the model's tokenizer")
     prompt.add_argument("--chat", help="a user message, through the model's chat template")
     gen.add_argument(
-        "--model", help="the model's directory, GGUF or alias, for its tokenizer (default: the model the node advertises)"
+        "--model",
+        help="the model's directory, GGUF or alias, for its tokenizer (default: the model the node advertises)",
     )
     gen.add_argument("--max-new", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -77,7 +78,8 @@ def capacity_lines(c: CapacitySummary) -> list[str]:
         f"kv blocks   {c.kv_blocks_used} used of {c.kv_blocks_total}",
         f"sessions    {c.active_sessions}",
         f"rates       decode {c.decode_tokens_per_s} tok/s, prefill {c.prefill_tokens_per_s} tok/s",
-        f"memory      gpu {c.gpu_memory_free_bytes} free of {c.gpu_memory_bytes} bytes, host {c.host_memory_bytes} bytes",
+        f"memory      gpu {c.gpu_memory_free_bytes} free of {c.gpu_memory_bytes} bytes, "
+        f"host {c.host_memory_bytes} bytes",
     ]
 
 
@@ -142,7 +144,9 @@ def text_prompt(args: argparse.Namespace, advertised: list[str]):
             return codec, codec.chat([{"role": "user", "content": args.chat}])
         return codec, codec.encode(args.text)
     except TextCodecError as e:
-        hint = "" if args.model else f" (the node serves {model!r}; pass --model with its tokenizer's directory, GGUF or alias)"
+        hint = "" if args.model else (
+            f" (the node serves {model!r}; pass --model with its tokenizer's directory, GGUF or alias)"
+        )
         raise OptionError(f"{e}{hint}") from None
 
 

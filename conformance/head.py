@@ -16,10 +16,12 @@ above any epoch and command an earlier one used: a node remembers sessions acros
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from conformance.wal import WalStub
 from linkf.driver import Endpoint, Liveness
@@ -49,6 +51,8 @@ from proto.postcard import PostcardError
 
 #: The lease the Rust fleet tests place sessions with.
 LEASE = Lease(duration_ms=120_000, renew_by_ms=90_000)
+#: Sampling off: what a session gets unless told otherwise.
+GREEDY = GenParams()
 #: Seconds a helper waits for the node by default.
 TIMEOUT = 10.0
 #: The head's KEEPALIVE interval on a version-3 link, as the Rust head's.
@@ -62,6 +66,20 @@ def reason(code: int | None) -> str:
 
 class HeadTimeout(Exception):
     """The node did not send what the head waited for within the time it waits."""
+
+
+class NotPlaced(ValueError):
+    """A command for a session this head has not placed (or has revoked): a caller's mistake."""
+
+
+M = TypeVar("M")
+
+
+def placed(msg: M | None, session_id: int) -> M:
+    """`msg`, which `HeadSession` builds only for a session it holds."""
+    if msg is None:
+        raise NotPlaced(f"session {session_id} is not placed by this head")
+    return msg
 
 
 @dataclass
@@ -84,7 +102,8 @@ class Received:
 
     at: float
     frame: Frame
-    msg: object
+    #: The payload, decoded as its type says (a `TokenEventsMsg`, a `NodeStatusMsg`, ...).
+    msg: Any
 
 
 @dataclass(frozen=True)
@@ -158,7 +177,7 @@ class FleetHead:
     ) -> FleetHead:
         """Dials `addr` and says HELLO with `auth`; the link is Noise keyed by `auth` when there
         is one, unless `noise=False`. Epochs and command ids start from the clock unless given."""
-        dial = Dial(addr, bytes(auth), bool(auth) if noise is None else noise, tuple(versions), role, heartbeat)
+        dial = Dial(addr, bytes(auth), bool(auth) if noise is None else noise, versions, role, heartbeat)
         endpoint, node = dial.open(timeout)
         start = clock_id()
         return cls(
@@ -202,7 +221,7 @@ class FleetHead:
     def assign(
         self,
         session_id: int,
-        params: GenParams = GenParams(),
+        params: GenParams = GREEDY,
         lease: Lease = LEASE,
         *,
         qos_class: int = 0,
@@ -216,11 +235,11 @@ class FleetHead:
 
     def append(self, session_id: int, tokens: list[int]) -> None:
         """Replaces the session's whole context on the node."""
-        msg = self.session.append_content(session_id, encode_tokens(tokens))
+        msg = placed(self.session.append_content(session_id, encode_tokens(tokens)), session_id)
         self.endpoint.send(msg_type.APPEND_CONTENT, msg)
 
     def revoke(self, session_id: int) -> None:
-        self.endpoint.send(msg_type.SESSION_REVOKE, self.session.revoke(session_id))
+        self.endpoint.send(msg_type.SESSION_REVOKE, placed(self.session.revoke(session_id), session_id))
 
     def next_id(self) -> int:
         """A fresh generation or stage request id."""
@@ -229,7 +248,7 @@ class FleetHead:
     def request(self, session_id: int, max_new: int, max_wall_ms: int = 60_000) -> GenerateReqMsg:
         """Sends a GENERATE_REQ for a fresh generation id and returns it (to replay or collect)."""
         budgets = GenerationBudgetsMsg(max_new_tokens=max_new, max_wall_ms=max_wall_ms)
-        req = self.session.generate(session_id, self.next_id(), budgets)
+        req = placed(self.session.generate(session_id, self.next_id(), budgets), session_id)
         self.endpoint.send(msg_type.GENERATE_REQ, req)
         return req
 
@@ -240,7 +259,9 @@ class FleetHead:
         self.session.retire_generation(*key)
         return self.generations[key]
 
-    def generate(self, session_id: int, max_new: int, max_wall_ms: int = 60_000, timeout: float = TIMEOUT) -> Generation:
+    def generate(
+        self, session_id: int, max_new: int, max_wall_ms: int = 60_000, timeout: float = TIMEOUT
+    ) -> Generation:
         return self.collect(self.request(session_id, max_new, max_wall_ms), timeout)
 
     def stream(self, req: GenerateReqMsg, timeout: float = TIMEOUT) -> Iterator[list[int]]:
@@ -258,7 +279,7 @@ class FleetHead:
                 return
             else:
                 self.until(
-                    lambda: self.finished(key) or len(self._tokens_of(key)) > given,
+                    functools.partial(self._progressed, key, given),
                     timeout,
                     f"tokens or a Finish for session {key[0]} generation {key[1]}",
                 )
@@ -298,9 +319,10 @@ class FleetHead:
         g = self.generations.get(key)
         return g is not None and g.finish is not None
 
-    def _tokens_of(self, key: tuple[int, int]) -> list[int]:
+    def _progressed(self, key: tuple[int, int], given: int) -> bool:
+        """Whether the generation finished or has more than `given` tokens."""
         g = self.generations.get(key)
-        return [] if g is None else g.tokens
+        return g is not None and (g.finish is not None or len(g.tokens) > given)
 
     def pump(self) -> list[Received]:
         """One read of the link; every frame it brought, handled."""

@@ -95,7 +95,7 @@ class RawLink:
 
     def hello(self, auth: bytes, versions: tuple[int, int] = (2, 3), timeout: float = 5.0) -> HelloAckF:
         """Says HELLO as a head; the node's answer."""
-        hello = Hello(proto_versions=tuple(versions), link_role=LinkRole.HeadDaemon, auth=bytes(auth))
+        hello = Hello(proto_versions=versions, link_role=LinkRole.HeadDaemon, auth=bytes(auth))
         self.send_msg(msg_type.HELLO, hello, version=versions[1])
         deadline = time.monotonic() + timeout
         while True:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from conformance.raw import RawLink
 from linkf.errors import Closed
@@ -20,7 +21,7 @@ from linkf.transcript import HEAD, Transcript
 from proto import postcard
 from proto.envelope import Frame, FrameClass, encode_frame
 from proto.handshake import CapacitySummary, Hello
-from proto.linkf import TokenEventPayload, decode_payload, msg_type
+from proto.linkf import SessionReconcileAck, TokenEventPayload, decode_payload, msg_type
 
 #: Frames whose coming and going is a matter of time alone.
 IGNORED = {msg_type.KEEPALIVE, msg_type.TELEMETRY}
@@ -48,13 +49,18 @@ def fixed(c: CapacitySummary) -> dict:
     }
 
 
+def timeless(s: SessionReconcileAck) -> SessionReconcileAck:
+    """A session's RECONCILE_ACK less its clock (`lease_view.elapsed_ms`)."""
+    return dataclasses.replace(s, lease_view=dataclasses.replace(s.lease_view, elapsed_ms=0))
+
+
 @dataclass
 class Answers:
     """What one node said on one link, reduced to what must repeat."""
 
     hello: dict | None = None
     #: (session, epoch, generation) -> event_seq -> payload; a retransmission lands on its seq.
-    events: dict[tuple[int, int, int], dict[int, object]] = field(default_factory=dict)
+    events: dict[tuple[int, int, int], dict[int, Any]] = field(default_factory=dict)
     reconcile: list = field(default_factory=list)
     stage: dict[int, tuple] = field(default_factory=dict)
     renewals: set[tuple[int, int]] = field(default_factory=set)
@@ -82,9 +88,7 @@ class Answers:
             for e in msg.events:
                 self.events.setdefault((e.session_id, e.epoch, e.generation_id), {})[e.event_seq] = e.payload
         elif t == msg_type.RECONCILE_ACK:
-            self.reconcile.append(
-                [dataclasses.replace(s, lease_view=dataclasses.replace(s.lease_view, elapsed_ms=0)) for s in msg.sessions]
-            )
+            self.reconcile.append([timeless(s) for s in msg.sessions])
         elif t == msg_type.STAGE_FORWARD_RESP:
             self.stage[msg.request_id] = (msg.hidden, msg.token)
         elif t == msg_type.LEASE_RENEW:
@@ -102,7 +106,8 @@ class Answers:
                 for t in events[seq].tokens]
 
     def finish(self, key) -> int | None:
-        return next((p.reason for p in self.events.get(key, {}).values() if isinstance(p, TokenEventPayload.Finish)), None)
+        payloads = self.events.get(key, {}).values()
+        return next((p.reason for p in payloads if isinstance(p, TokenEventPayload.Finish)), None)
 
     def covers(self, want: Answers) -> bool:
         """Whether everything `want` holds that a head waits for has come here too."""

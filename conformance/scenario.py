@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conformance.head import LEASE, FleetHead, clock_id
+from conformance.head import GREEDY, LEASE, FleetHead, clock_id
 from conformance.raw import RawLink
 from nodeagent.wal import GenParams
 from proto.handshake import HelloAckF
@@ -66,7 +66,7 @@ class Context:
         return next(self._ids)
 
     def place(
-        self, head: FleetHead, prompt: list[int], params: GenParams = GenParams(), lease: Lease = LEASE
+        self, head: FleetHead, prompt: list[int], params: GenParams = GREEDY, lease: Lease = LEASE
     ) -> tuple[int, int]:
         """Places a fresh session holding `prompt`; (session id, epoch)."""
         session = self.session()

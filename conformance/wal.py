@@ -48,8 +48,8 @@ class WalStub:
             for c in log:
                 e = c.event
                 seqs[(e.session_id, e.epoch, e.generation_id)].append(e.event_seq)
-        for (s, e, g), got in sorted(seqs.items()):
+        for (s, epoch, g), got in sorted(seqs.items()):
             if sorted(got) != list(range(len(got))):
                 raise AssertionError(
-                    f"session {s} epoch {e} generation {g}: committed stream has a gap or duplicate: {sorted(got)}"
+                    f"session {s} epoch {epoch} generation {g}: committed stream has a gap or duplicate: {sorted(got)}"
                 )

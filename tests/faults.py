@@ -152,7 +152,8 @@ class TokensAfterFence(Fault):
             del self.expiry[s]
             e = self.last[s]
             late = dataclasses.replace(e, event_seq=e.event_seq + 1, payload=TokenEventPayload.Tokens(tokens=[7]))
-            out.append(Frame(self.version, msg_type.TOKEN_EVENTS, 0, 0, 0, postcard.to_bytes(TokenEventsMsg(events=[late]))))
+            payload = postcard.to_bytes(TokenEventsMsg(events=[late]))
+            out.append(Frame(self.version, msg_type.TOKEN_EVENTS, 0, 0, 0, payload))
         return out
 
 
@@ -174,7 +175,8 @@ class RetransmitsAcked(Fault):
     def from_head(self, link, frame):
         if frame.msg_type == msg_type.WATERMARK_ACK:
             ack = decode_payload(frame.msg_type, frame.payload)
-            self.acked = self.sent.get((ack.session_id, ack.epoch, ack.generation_id), {}).get(ack.watermark, self.acked)
+            sent = self.sent.get((ack.session_id, ack.epoch, ack.generation_id), {})
+            self.acked = sent.get(ack.watermark, self.acked)
         return [frame]
 
 
@@ -186,7 +188,7 @@ class FaultProxy:
         self.fault = fault
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(TICK_S)
-        self.addr = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self.addr = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._stop = threading.Event()
         self._links: list[Link] = []
         self._threads = [threading.Thread(target=self._accept, daemon=True, name="fault-proxy")]

@@ -47,7 +47,7 @@ def mute_node():
                     return
 
     done = background(serve)
-    yield "127.0.0.1:%d" % listener.getsockname()[1]
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
     stop.set()
     done()
     listener.close()
@@ -106,7 +106,7 @@ def test_the_client_says_hello_status_and_generates(node, capsys):
 
 def test_the_client_fails_with_one_line_when_no_node_answers(capsys):
     with socket.create_server(("127.0.0.1", 0)) as closed:
-        addr = "127.0.0.1:%d" % closed.getsockname()[1]
+        addr = f"127.0.0.1:{closed.getsockname()[1]}"
     assert client.main(["hello", addr, "--timeout", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"superfluid-client: {addr}: ") and err.count("\n") == 1
@@ -120,7 +120,8 @@ def test_the_kit_never_imports_the_nodes_agent_or_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     loaded = ast.literal_eval(out.stdout)
-    assert not [m for m in loaded if m.startswith(("nodeagent.agent", "nodeagent.engine", "nodeagent.daemon", "torch"))], loaded
+    forbidden = ("nodeagent.agent", "nodeagent.engine", "nodeagent.daemon", "torch")
+    assert not [m for m in loaded if m.startswith(forbidden)], loaded
 
 
 def test_the_conformance_command_lists_its_scenarios_and_refuses_unknown_ones(capsys):
