@@ -36,7 +36,8 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
 [--write-timeout-ms N] \
-[--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--kv-budget-mb N] [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
+[--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--kv-budget-mb N] \
+[--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
 [--session-retention-ms N]
        {PROGRAM} join <head-host:port> --model <path|builtin> [--token <value>] [the flags above \

@@ -12,6 +12,7 @@ from nodeagent.engine.loader import checked
 from nodeagent.engine.model import LlamaModel, ModelConfig
 
 BUILTIN_NAME = "builtin"
+CPU = torch.device("cpu")
 BUILTIN_SEED = 20240611
 BUILTIN_CONFIG = ModelConfig(
     vocab_size=32000,
@@ -82,7 +83,7 @@ def random_model(
     config: ModelConfig,
     seed: int,
     dtype: torch.dtype = torch.float32,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
     **kwargs,
 ) -> LlamaModel:
     """A model of `config` with `random_tensors(config, seed, **kwargs)` as its weights."""

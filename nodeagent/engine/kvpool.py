@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -8,8 +8,9 @@ same layers serve the scheduler's paged KV pool and the cache-free stage forward
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,7 @@ class LlamaModel:
     @classmethod
     def from_source(
         cls, config: ModelConfig, source: TensorSource, dtype: torch.dtype, device: torch.device
-    ) -> "LlamaModel":
+    ) -> LlamaModel:
         """Build from Hugging Face-named tensors, fusing and reordering on the way."""
 
         def take(name: str, *shape: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     kind = scaling_type(scaling)
-    if kind == "default":
+    if kind == "default" or scaling is None:
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])

@@ -19,9 +19,10 @@ import collections
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +35,8 @@ from nodeagent.engine.sampling import LaneSampler, choose_tokens
 log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
+#: `Generation.admitted` before its first admission: after every admitted one.
+NOT_ADMITTED = sys.maxsize
 
 #: Messages on `Generation.out`: ("token", id), ("done", finish code), ("error", message).
 TOKEN, END, ERROR = "token", "done", "error"
@@ -61,7 +64,7 @@ class Generation:
         self.lane = -1
         #: Order of first admission; a preempted generation keeps it, so it is not the first
         #: victim again the moment it resumes.
-        self.admitted: int | None = None
+        self.admitted = NOT_ADMITTED
         #: The stream, then every token produced so far.
         self.tokens = list(stream)
         self.blocks: list[int] = []
@@ -232,11 +235,15 @@ class Scheduler:
             if not lower:
                 return False
             self._preempt(max(lower, key=lambda g: g.priority))
-        self.pool.hold(cached)
+        self.pool.hold(cached)  # before allocating, which could otherwise evict them
+        fresh = self.pool.allocate(need)
+        if fresh is None:  # cannot happen after the check above; never hold blocks then
+            self.pool.release(cached)
+            return False
         gen.state, gen.lane = RUNNING, lane
-        if gen.admitted is None:
+        if gen.admitted == NOT_ADMITTED:
             gen.admitted = next(self._admissions)
-        gen.blocks = cached + self.pool.allocate(need)
+        gen.blocks = cached + fresh
         gen.published, gen.n_cached = len(cached), len(cached) * BLOCK_TOKENS
         self.reused_tokens += gen.n_cached
         self._lanes[lane] = gen
@@ -318,7 +325,7 @@ class Scheduler:
         if first:
             finished = [gens[row] for row in first]
             chosen = choose_tokens(logits[first], [g.sampler for g in finished])
-            for gen, token in zip(finished, chosen):
+            for gen, token in zip(finished, chosen, strict=True):
                 self._emit(gen, token)
 
     def _decode_step(self, gens: list[Generation]) -> None:
@@ -327,14 +334,14 @@ class Scheduler:
         for gen in gens:
             gen.n_cached += 1
             self._publish(gen)
-        for gen, token in zip(gens, choose_tokens(logits, [g.sampler for g in gens])):
+        for gen, token in zip(gens, choose_tokens(logits, [g.sampler for g in gens]), strict=True):
             self._emit(gen, token)
 
     def _forward(self, gens: list[Generation], rows: list[list[int]], counts: list[int]) -> torch.Tensor:
         """One batched forward of each lane's new tokens; logits [B,V] at each lane's last one."""
         model, pool, device = self.model, self.pool, self.model.device
         width = max(counts)
-        n_blocks = blocks_for(max(g.n_cached + c for g, c in zip(gens, counts)))
+        n_blocks = blocks_for(max(g.n_cached + c for g, c in zip(gens, counts, strict=True)))
         table = [g.blocks[:n_blocks] + [pool.scratch_block] * (n_blocks - len(g.blocks)) for g in gens]
         blocks = torch.tensor(table, device=device)
         starts = torch.tensor([g.n_cached for g in gens], device=device)

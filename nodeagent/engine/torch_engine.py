@@ -11,7 +11,7 @@ import ctypes
 import logging
 import queue
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -104,15 +104,15 @@ class TorchDaemon(Daemon):
         max_context: int | None = None,
         kv_budget_mb: int | None = None,
         dtype: str = "auto",
-    ) -> "TorchDaemon":
+    ) -> TorchDaemon:
         """Open `model` ("builtin" or a checkpoint directory); raises ModelLoadError."""
         dev = _resolve_device(device)
-        dtype = _resolve_dtype(dtype, dev)
+        weights = _resolve_dtype(dtype, dev)
         try:
             if model == BUILTIN_NAME:
-                loaded, name = builtin_model(dtype, dev), BUILTIN_NAME
+                loaded, name = builtin_model(weights, dev), BUILTIN_NAME
             else:
-                loaded, name = _load_checkpoint(model, dtype, dev)
+                loaded, name = _load_checkpoint(model, weights, dev)
             return_freed_heap()
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
             return cls(loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks)
