@@ -19,8 +19,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from linkf.agent import AgentSession, SelfFence
 from linkf.driver import DEFAULT_LIVENESS, PROTO_VERSION, Endpoint, Liveness
@@ -590,7 +590,8 @@ class NodeAgent:
         else:
             # The head waits on one stage per connection; another is answered as one the
             # node could not run.
-            endpoint.send(msg_type.STAGE_FORWARD_RESP, StageForwardRespMsg(request_id=m.request_id))
+            busy = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=None)
+            endpoint.send(msg_type.STAGE_FORWARD_RESP, busy)
 
     def on_watermark_ack(self, endpoint: Endpoint, m, work: Work) -> None:
         with self.shared.lock:
@@ -625,6 +626,8 @@ class NodeAgent:
         return answer
 
     def hand_back_stage(self, endpoint: Endpoint, work: Work) -> None:
+        if work.stage is None:
+            return
         try:
             resp = work.stage.get_nowait()
         except queue.Empty:

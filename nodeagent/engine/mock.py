@@ -9,14 +9,15 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import xxhash
 
 from nodeagent import finish
 from nodeagent.daemon import (
     QOS_CLASSES,
+    Consumer,
     Daemon,
     GenerationError,
     GenerationResult,
@@ -237,7 +238,7 @@ class MockDaemon(Daemon):
                 self._lanes.release(lane)
             if result is not None:
                 return result
-            if not self._wait_for_consumer(run):
+            if extras.consumer is not None and not self._wait_for_consumer(run, extras.consumer):
                 return self._unadmitted(run)
 
     def _unadmitted(self, run: _Run) -> GenerationResult:
@@ -254,7 +255,7 @@ class MockDaemon(Daemon):
             while consumer is not None and consumer.behind():
                 if self._lanes.contended():
                     return None
-                if not self._wait_room(run):
+                if not self._wait_room(run, consumer):
                     return self._unadmitted(run)
             batch = self._step(run, min(self._batch, run.max_tokens - len(run.tokens)))
             if isinstance(batch, GenerationResult):
@@ -285,18 +286,18 @@ class MockDaemon(Daemon):
             batch.append(step())
         return batch
 
-    def _wait_for_consumer(self, run: _Run) -> bool:
+    def _wait_for_consumer(self, run: _Run, consumer: Consumer) -> bool:
         """Waits, holding no lane, until `run`'s consumer can take more; False when the engine
         closes, the generation is cancelled or its deadline passes first."""
-        while run.extras.consumer.behind():
-            if not self._wait_room(run):
+        while consumer.behind():
+            if not self._wait_room(run, consumer):
                 return False
         return True
 
-    def _wait_room(self, run: _Run) -> bool:
+    def _wait_room(self, run: _Run, consumer: Consumer) -> bool:
         """Waits a little for `run`'s consumer; False once the engine closes, the generation is
         cancelled or its deadline passes."""
-        run.extras.consumer.wait_room(_CONSUMER_CHECK)
+        consumer.wait_room(_CONSUMER_CHECK)
         if self._closed.is_set() or run.extras.cancelled():
             return False
         return run.deadline is None or time.monotonic() < run.deadline
