@@ -123,7 +123,7 @@ def test_each_token_of_a_slow_engine_leaves_at_once(start_node):
         for run in head.stream(req):
             arrivals.append((time.monotonic(), len(run)))
         assert [n for _, n in arrivals] == [1] * 5
-        gaps = [b - a for (a, _), (b, _) in zip(arrivals, arrivals[1:])]
+        gaps = [b - a for (a, _), (b, _) in zip(arrivals, arrivals[1:], strict=False)]
         assert min(gaps) > 0.03, "each token arrived as made, not in bursts"
 
 

@@ -37,13 +37,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from nodeproc import Noded  # noqa: E402
+
 from conformance.head import FleetHead  # noqa: E402
 from linkf.driver import Endpoint  # noqa: E402
 from linkf.errors import LinkFError  # noqa: E402
 from nodeagent.agent import EVENT_TOKENS_MAX, UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX  # noqa: E402
 from nodeagent.engine.mock import _Stepper  # noqa: E402
 from nodeagent.wal import GenParams  # noqa: E402
-from nodeproc import Noded  # noqa: E402
 from proto.linkf import (  # noqa: E402
     TokenEvent,
     TokenEventPayload,
@@ -56,6 +57,7 @@ from proto.linkf import (  # noqa: E402
 QUICK = "--quick" in sys.argv
 STREAM_TOKENS = 300_000 if QUICK else 1_000_000
 PROMPT = [1, 2, 3, 4]
+DECODE_TOKENS = 64 if QUICK else 128
 
 
 @dataclass
@@ -229,36 +231,61 @@ def streaming_rows(home: Path) -> list[Row]:
         bare.kill()
     return [
         Row("mock stream, bare-socket ceiling", f"{ceiling:,.0f} tok/s", "", None),
-        Row("mock stream, 1 connection", f"{one:,.0f} tok/s = {one / ceiling:.2f}x ceiling", ">= 0.5x", one / ceiling >= 0.5),
-        Row("mock stream, 8 connections", f"{eight:,.0f} tok/s = {eight / one:.2f}x 1 conn", ">= 1.0x", eight / one >= 1.0),
+        Row(
+            "mock stream, 1 connection",
+            f"{one:,.0f} tok/s = {one / ceiling:.2f}x ceiling",
+            ">= 0.5x",
+            one / ceiling >= 0.5,
+        ),
+        Row(
+            "mock stream, 8 connections",
+            f"{eight:,.0f} tok/s = {eight / one:.2f}x 1 conn",
+            ">= 1.0x",
+            eight / one >= 1.0,
+        ),
     ]
+
+
+def answer_trial(addr: str, session_id: int) -> tuple[float, float]:
+    """Seconds from a second GENERATE_REQ to its DECLINED, then from a GENERATE_CANCEL to the
+    CANCELLED, both sent 20,000 tokens into a 1M-token stream."""
+    with FleetHead.connect(addr) as head:
+        head.assign(session_id, GenParams())
+        head.append(session_id, PROMPT)
+        stream = head.request(session_id, 1_000_000)
+        key = (session_id, stream.generation_id)
+        head.until(lambda: key in head.generations and len(head.generations[key].tokens) >= 20_000, 30, "tokens")
+        second = (session_id, head.request(session_id, 16).generation_id)
+        t = time.monotonic()
+        head.until(lambda: head.finished(second), 30, "the decline")
+        declined = time.monotonic() - t
+        head.cancel(stream)
+        t = time.monotonic()
+        head.until(lambda: head.finished(key), 30, "the cancel")
+        return declined, time.monotonic() - t
 
 
 def answer_rows(home: Path) -> list[Row]:
     node = start_node(home, "--runtime", "mock")
-    declines, cancels = [], []
     try:
-        for trial in range(3 if QUICK else 5):
-            with FleetHead.connect(node.addr) as head:
-                head.assign(trial + 1, GenParams())
-                head.append(trial + 1, PROMPT)
-                stream = head.request(trial + 1, 1_000_000)
-                key = (trial + 1, stream.generation_id)
-                head.until(lambda: key in head.generations and len(head.generations[key].tokens) >= 20_000, 30, "tokens")
-                second = head.request(trial + 1, 16)
-                t = time.monotonic()
-                head.until(lambda: head.finished((trial + 1, second.generation_id)), 30, "the decline")
-                declines.append(time.monotonic() - t)
-                head.cancel(stream)
-                t = time.monotonic()
-                head.until(lambda: head.finished(key), 30, "the cancel")
-                cancels.append(time.monotonic() - t)
+        trials = [answer_trial(node.addr, i + 1) for i in range(3 if QUICK else 5)]
     finally:
         node.kill()
+    declines, cancels = [d for d, _ in trials], [c for _, c in trials]
     worst_d, worst_c = max(declines) * 1000, max(cancels) * 1000
     return [
-        Row("1M stream: GENERATE_REQ -> DECLINED", f"median {statistics.median(declines) * 1000:.1f} ms, worst {worst_d:.1f} ms", "< 50 ms", worst_d < 50),
-        Row("1M stream: GENERATE_CANCEL -> CANCELLED", f"median {statistics.median(cancels) * 1000:.1f} ms, worst {worst_c:.1f} ms", "< 50 ms", worst_c < 50),
+        Row(
+            "1M stream: GENERATE_REQ -> DECLINED",
+            f"median {statistics.median(declines) * 1000:.1f} ms, worst {worst_d:.1f} ms",
+            "< 50 ms",
+            worst_d < 50,
+        ),
+        Row(
+            "1M stream: GENERATE_CANCEL -> CANCELLED",
+            f"median {statistics.median(cancels) * 1000:.1f} ms, worst {worst_c:.1f} ms",
+            "< 50 ms",
+            worst_c < 50,
+        ),
     ]
 
 
@@ -316,7 +343,12 @@ def deaf_rows(home: Path) -> list[Row]:
         node.kill()
     rows = [
         Row(f"{deaf_n} heads that never read, {seconds:.0f} s: RSS growth", f"{growth:.1f} MB", "< 64 MB", growth < 64),
-        Row("  dropped after the write timeout", f"{dropped} of {deaf_n}; then lanes {status.lanes_active}, KV blocks {status.kv_blocks_used}", f"{deaf_n}; 0; 0", dropped == deaf_n and status.lanes_active == 0 and status.kv_blocks_used == 0),
+        Row(
+            "  dropped after the write timeout",
+            f"{dropped} of {deaf_n}; then lanes {status.lanes_active}, KV blocks {status.kv_blocks_used}",
+            f"{deaf_n}; 0; 0",
+            dropped == deaf_n and status.lanes_active == 0 and status.kv_blocks_used == 0,
+        ),
         Row("  a good head meanwhile: worst 16-token generation", f"{worst * 1000:.0f} ms", "< 2 s", worst < 2.0),
     ]
     return rows + never_ack_rows(home)
@@ -347,52 +379,89 @@ def never_ack_rows(home: Path) -> list[Row]:
         for h in heads:
             h.close()
         node.kill()
-    return [Row("4 heads that read and never acknowledge: RSS growth", f"{peak - base:.1f} MB", "< 64 MB", peak - base < 64)]
+    return [
+        Row("4 heads that read and never acknowledge: RSS growth", f"{peak - base:.1f} MB", "< 64 MB", peak - base < 64)
+    ]
 
 
 def torch_rows(home: Path) -> list[Row]:
-    from nodeagent.daemon import GenExtras
+    """Each figure the best of two rounds that alternate in process and over the wire, so a
+    burst of load elsewhere on the machine does not decide the ratio."""
     from nodeagent.engine.torch_engine import TorchDaemon
 
     prompt = list(range(1, 33))
-    new, lanes, trials = 64, 8, 3 if QUICK else 5
+    lanes, trials = 8, 3 if QUICK else 5
     daemon = TorchDaemon.load("builtin", device="cpu", max_batch=lanes)
-    try:
-        ttft_local = []
-        for _ in range(trials):
-            first: list[float] = []
-            t = time.monotonic()
-            daemon.generate_tokens_streaming(prompt, GenParams(), 1, 0, GenExtras(), lambda b: first.append(time.monotonic()) or True)
-            ttft_local.append(first[0] - t)
-        local_rate = _parallel_rate(lambda i: len(daemon.generate_tokens_streaming(prompt + [i], GenParams(), new, 0, GenExtras(), lambda b: True).tokens), lanes)
-    finally:
-        daemon.close()
     node = start_node(home, "--model", "builtin", "--device", "cpu", "--max-batch", str(lanes))
+    ttft_local, ttft_wire, rate_local, rate_wire = [], [], [], []
     try:
-        ttft_wire = []
         with FleetHead.connect(node.addr) as head:
             head.assign(1, GenParams())
             head.append(1, prompt)
-            for _ in range(trials):
-                req = head.request(1, 1)
-                t = time.monotonic()
-                head.until(lambda: head.generations.get((1, req.generation_id)) and head.generations[(1, req.generation_id)].tokens, 30, "a token")
-                ttft_wire.append(time.monotonic() - t)
-                head.collect(req)
-        heads = [FleetHead.connect(node.addr) for _ in range(lanes)]
-        for i, h in enumerate(heads):
-            h.assign(10 + i, GenParams())
-            h.append(10 + i, prompt + [i])
-        wire_rate = _parallel_rate(lambda i: len(heads[i].generate(10 + i, new, timeout=120).tokens), lanes)
-        for h in heads:
-            h.close()
+            heads = [FleetHead.connect(node.addr) for _ in range(lanes)]
+            for i, h in enumerate(heads):
+                h.assign(10 + i, GenParams())
+                h.append(10 + i, prompt + [i])
+            for _ in range(2):
+                ttft_local.append(statistics.median(_first_token_in_process(daemon, prompt) for _ in range(trials)))
+                ttft_wire.append(statistics.median(_first_token_over_the_wire(head, 1) for _ in range(trials)))
+                rate_local.append(_decode_in_process(daemon, prompt, lanes))
+                rate_wire.append(
+                    _parallel_rate(lambda i: len(heads[i].generate(10 + i, DECODE_TOKENS, timeout=120).tokens), lanes)
+                )
+            for h in heads:
+                h.close()
     finally:
         node.kill()
-    local, wire = statistics.median(ttft_local) * 1000, statistics.median(ttft_wire) * 1000
+        daemon.close()
+    local, wire = min(ttft_local) * 1000, min(ttft_wire) * 1000
+    local_rate, wire_rate = max(rate_local), max(rate_wire)
     return [
-        Row("torch builtin: time to first token", f"wire {wire:.1f} ms, in process {local:.1f} ms", "<= in process + 10 ms", wire <= local + 10),
-        Row(f"torch builtin: {lanes}-lane decode", f"wire {wire_rate:.0f} tok/s, in process {local_rate:.0f} tok/s = {wire_rate / local_rate:.2f}x", ">= 0.95x", wire_rate / local_rate >= 0.95),
+        Row(
+            "torch builtin: time to first token",
+            f"wire {wire:.1f} ms, in process {local:.1f} ms",
+            "<= in process + 10 ms",
+            wire <= local + 10,
+        ),
+        Row(
+            f"torch builtin: {lanes}-lane decode",
+            f"wire {wire_rate:.0f} tok/s, in process {local_rate:.0f} tok/s = {wire_rate / local_rate:.2f}x",
+            ">= 0.95x",
+            wire_rate / local_rate >= 0.95,
+        ),
     ]
+
+
+def _decode_in_process(daemon, prompt: list[int], lanes: int) -> float:
+    from nodeagent.daemon import GenExtras
+
+    def one(i: int) -> int:
+        return len(
+            daemon.generate_tokens_streaming(prompt + [i], GenParams(), DECODE_TOKENS, 0, GenExtras(), bool).tokens
+        )
+
+    return _parallel_rate(one, lanes)
+
+
+def _first_token_in_process(daemon, prompt: list[int]) -> float:
+    from nodeagent.daemon import GenExtras
+
+    first: list[float] = []
+    t = time.monotonic()
+    daemon.generate_tokens_streaming(
+        prompt, GenParams(), 1, 0, GenExtras(), lambda b: first.append(time.monotonic()) or True
+    )
+    return first[0] - t
+
+
+def _first_token_over_the_wire(head: FleetHead, session_id: int) -> float:
+    req = head.request(session_id, 1)
+    key = (session_id, req.generation_id)
+    t = time.monotonic()
+    head.until(lambda: key in head.generations and head.generations[key].tokens, 30, "a token")
+    took = time.monotonic() - t
+    head.collect(req)
+    return took
 
 
 def _parallel_rate(one, n: int) -> float:
