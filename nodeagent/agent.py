@@ -64,13 +64,6 @@ log = logging.getLogger(__name__)
 
 U32_MAX = 2**32 - 1
 
-#: The wall budget of a generation ran out (the head reads it as a normal, expired result).
-FINISH_EXPIRED = U32_MAX
-#: The node cannot stage the generation: a context past its window, a constraint it lacks.
-FINISH_REFUSED = U32_MAX - 1
-#: Unknown session, superseded epoch, replayed command, or a generation already running here.
-FINISH_DECLINED = U32_MAX - 2
-
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 #: Seconds the head may stay silent before the node drops the connection: six heartbeats.
 DEFAULT_IDLE_TIMEOUT = 30.0
@@ -573,7 +566,7 @@ class NodeAgent:
             epoch=m.epoch,
             generation_id=m.generation_id,
             event_seq=0,
-            payload=TokenEventPayload.Finish(reason=FINISH_DECLINED),
+            payload=TokenEventPayload.Finish(reason=finish.DECLINED),
         )
         endpoint.send(msg_type.TOKEN_EVENTS, TokenEventsMsg(events=[declined]))
         self.observer.generation_declined(m.session_id, m.generation_id)
@@ -715,13 +708,13 @@ class NodeAgent:
                 "before dispatch",
                 extra=_fields(session=run.session_id, generation=run.generation_id, error=generated),
             )
-            return FINISH_REFUSED
+            return finish.REFUSED
         if run.drained and generated.finish == finish.CANCELLED:
             return finish.ERROR
         if run.cancelled:
             return finish.CANCELLED
         if generated.expired:
-            return FINISH_EXPIRED
+            return finish.EXPIRED
         if len(generated.tokens) >= run.max_new:
             return finish.LENGTH
         return finish.EOS

@@ -9,7 +9,6 @@ import pytest
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
 from nodeagent import finish
-from nodeagent.agent import FINISH_DECLINED, FINISH_EXPIRED, FINISH_REFUSED
 from nodeagent.daemon import ConstraintError, GenerationError
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
@@ -53,7 +52,7 @@ def assert_declined(head: FleetHead, req: GenerateReqMsg) -> None:
     g = head.collect(req, 5.0)
     assert g.tokens == []
     (ev,) = [e for e in g.events if isinstance(e.payload, TokenEventPayload.Finish)]
-    assert (ev.payload.reason, ev.event_seq, ev.epoch) == (FINISH_DECLINED, 0, req.epoch)
+    assert (ev.payload.reason, ev.event_seq, ev.epoch) == (finish.DECLINED, 0, req.epoch)
 
 
 def test_unknown_sessions_and_superseded_epochs_are_declined(node, caplog):
@@ -80,7 +79,7 @@ def test_a_replayed_generate_is_declined_and_does_not_restart_the_stream(node):
         head.endpoint.send(msg_type.GENERATE_REQ, req)  # the same command id again
         head.until(lambda: len(g.events) > events, 5.0, "an answer to the replay")
         (replayed,) = g.events[events:]
-        assert replayed.payload == TokenEventPayload.Finish(reason=FINISH_DECLINED)
+        assert replayed.payload == TokenEventPayload.Finish(reason=finish.DECLINED)
         assert replayed.event_seq == 0
         assert g.tokens == mock_tokens(PROMPT, 8)
 
@@ -110,7 +109,7 @@ def test_a_context_past_the_window_is_refused_and_the_connection_serves_on(start
     with FleetHead.connect(node.addr) as head:
         placed(head, 1, list(range(65)))
         g = head.generate(1, 8)
-        assert (g.finish, g.tokens) == (FINISH_REFUSED, [])
+        assert (g.finish, g.tokens) == (finish.REFUSED, [])
         placed(head, 2, list(range(64)))
         assert head.generate(2, 4).tokens == mock_tokens(list(range(64)), 4), "exactly the window is served"
     (bug,) = [r for r in caplog.records if r.getMessage().startswith("refusing a generation")]
@@ -122,7 +121,7 @@ def test_a_constraint_the_engine_cannot_apply_is_refused(start_node):
     node = start_node(NoGrammar())
     with FleetHead.connect(node.addr) as head:
         placed(head, 1)
-        assert head.generate(1, 4).finish == FINISH_REFUSED
+        assert head.generate(1, 4).finish == finish.REFUSED
 
 
 def test_any_other_daemon_error_ends_that_connection_only(node):
@@ -182,7 +181,7 @@ def test_cancel_stops_the_generation_and_finishes_cancelled(start_node):
     [
         (MockDaemon, 6, 60_000, finish.LENGTH),
         (EndsEarly, 6, 60_000, finish.EOS),
-        (lambda: MockDaemon(token_delay_s=0.02), 500, 150, FINISH_EXPIRED),
+        (lambda: MockDaemon(token_delay_s=0.02), 500, 150, finish.EXPIRED),
     ],
     ids=["length", "eos", "expired"],
 )

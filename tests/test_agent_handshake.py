@@ -11,7 +11,7 @@ from conformance.raw import hung_up, raw_connect
 from conformance.reference import mock_tokens
 from linkf.driver import Endpoint
 from linkf.errors import LinkFError, Protocol, Unauthorized
-from nodeagent.agent import FINISH_DECLINED
+from nodeagent import finish
 from nodeagent.wal import GenParams
 from proto.envelope import MAX_FRAME
 from proto.handshake import LinkRole
@@ -106,7 +106,7 @@ def test_a_request_for_a_session_before_any_assign_is_declined_not_dropped(node)
     with FleetHead.connect(node.addr) as head:
         head.session.assign_session(5, 1, LEASE, 0, "mock")  # the node never hears of it
         g = head.generate(5, 4)
-        assert g.finish == FINISH_DECLINED and g.tokens == []
+        assert g.finish == finish.DECLINED and g.tokens == []
 
 
 def test_a_zero_handshake_timeout_waits_for_hello_forever(start_node):

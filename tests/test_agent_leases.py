@@ -8,7 +8,6 @@ import time
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
 from nodeagent import finish
-from nodeagent.agent import FINISH_DECLINED
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
 from proto.linkf import Lease, LeaseGrantMsg, msg_type
@@ -89,7 +88,7 @@ def test_an_expired_lease_fences_the_session_which_goes_silent(start_node, caplo
         assert 1 not in node.agent.shared.contexts and 1 not in node.agent.shared.owners
 
         again = head.generate(1, 4)
-        assert again.finish == FINISH_DECLINED, "a fenced session takes no generation"
+        assert again.finish == finish.DECLINED, "a fenced session takes no generation"
 
         head.assign(2, GenParams())
         head.append(2, [4, 5])

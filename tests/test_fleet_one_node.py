@@ -6,7 +6,6 @@ from conformance.head import LEASE, FleetHead
 from conformance.reference import mock_tokens
 from linkf.errors import LinkFError, Unauthorized
 from nodeagent import finish
-from nodeagent.agent import FINISH_DECLINED, FINISH_REFUSED
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.wal import GenParams
 from proto.linkf import TokenEventPayload
@@ -65,7 +64,7 @@ def test_a_node_refusal_reports_a_finish_reason_instead_of_dropping_the_link(sta
         head.assign(1, GenParams())
         head.append(1, list(range(64 + 32)))
         g = head.generate(1, 8)
-        assert g.finish == FINISH_REFUSED, "the node reports why it refused"
+        assert g.finish == finish.REFUSED, "the node reports why it refused"
         assert g.tokens == [], "a refused generation produces nothing"
 
         head.assign(2, GenParams())
@@ -86,7 +85,7 @@ def test_a_second_head_reusing_a_session_id_is_never_left_hanging(node):
         second.assign(session, GenParams())
         second.append(session, list(range(8)))
         g = second.generate(session, 4)
-        assert g.finish == FINISH_DECLINED or g.tokens, "either it generated or it said why not"
+        assert g.finish == finish.DECLINED or g.tokens, "either it generated or it said why not"
 
         fresh = session + 9_999
         second.assign(fresh, GenParams())
