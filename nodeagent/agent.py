@@ -40,6 +40,7 @@ from nodeagent.daemon import (
     host_memory_bytes,
 )
 from nodeagent.fleet import decode_params, decode_tokens
+from nodeagent.load import U32_MAX, LoadMeter, LoadSample
 from nodeagent.observe import GenerationWatch, NodeObserver
 from nodeagent.outbox import Outbox
 from nodeagent.wal import GenParams
@@ -62,7 +63,6 @@ from proto.postcard import PostcardError
 
 log = logging.getLogger(__name__)
 
-U32_MAX = 2**32 - 1
 
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 #: Seconds the head may stay silent before the node drops the connection: six heartbeats.
@@ -88,8 +88,6 @@ UNACKED_TOKENS_MAX = TRANSFER_WINDOW * EVENT_TOKENS_MAX
 #: Events likewise: a slow engine sends one token an event, and a head that acknowledges in
 #: batches (or, on version 2, not while it waits) must not stall it.
 UNACKED_EVENTS_MAX = 1024
-#: Busy time a rate sample needs before it counts.
-MIN_BUSY_MS = 200
 
 _connections = itertools.count(1)
 #: The machine's memory, in every capacity the node reports: it does not change while it runs.
@@ -98,31 +96,6 @@ HOST_MEMORY = host_memory_bytes()
 _LEASE_TYPES = frozenset(
     (msg_type.SESSION_ASSIGN, msg_type.SESSION_REVOKE, msg_type.LEASE_GRANT, msg_type.RECONCILE)
 )
-
-
-class Busy:
-    """Time with at least one generation running. The node's rates are measured over it, since
-    a rate over wall time would make an idle node look slow. Guarded by `AgentShared.lock`."""
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.since: float | None = None
-        self.total = 0.0
-
-    def start(self) -> None:
-        if self.running == 0:
-            self.since = time.monotonic()
-        self.running += 1
-
-    def stop(self) -> None:
-        self.running = max(self.running - 1, 0)
-        if self.running == 0 and self.since is not None:
-            self.total += time.monotonic() - self.since
-            self.since = None
-
-    def ms(self) -> int:
-        current = time.monotonic() - self.since if self.since is not None else 0.0
-        return int((self.total + current) * 1000)
 
 
 @dataclass
@@ -135,10 +108,7 @@ class AgentShared:
     owners: dict[int, int] = field(default_factory=dict)
     contexts: dict[int, list[int]] = field(default_factory=dict)
     params: dict[int, GenParams] = field(default_factory=dict)
-    last_load_sample: tuple[int, int, int] | None = None
-    decode_rate_ewma: int = 0
-    prefill_rate_ewma: int = 0
-    busy: Busy = field(default_factory=Busy)
+    load: LoadMeter = field(default_factory=LoadMeter)
     #: Generations some connection is running, until their Finish is sent or they are dropped.
     runs: int = 0
     #: Set when a drain runs out of time: every running generation ends with a Finish(ERROR).
@@ -289,40 +259,12 @@ class NodeAgent:
 
     # ---- capacity -------------------------------------------------------------------------
 
-    def sample_load(self) -> tuple[int, int, int, int, int, int, int, int]:
-        sh = self.shared
-        with sh.lock:
-            stats = self.daemon.sched_stats()
-            now = self.now_ms()
-            decoded, prefilled = stats.decode_tokens, stats.prefill_tokens
-            busy = sh.busy.ms()
-            if sh.last_load_sample is None:
-                sh.last_load_sample = (busy, decoded, prefilled)
-            else:
-                prev_busy, prev_decoded, prev_prefilled = sh.last_load_sample
-                dt_ms = max(busy - prev_busy, 0)
-                if dt_ms >= MIN_BUSY_MS:
-                    d = _rate(decoded, prev_decoded, dt_ms)
-                    pf = _rate(prefilled, prev_prefilled, dt_ms)
-                    if d > 0:
-                        sh.decode_rate_ewma = _smooth(sh.decode_rate_ewma, d)
-                    if pf > 0:
-                        sh.prefill_rate_ewma = _smooth(sh.prefill_rate_ewma, pf)
-                    sh.last_load_sample = (busy, decoded, prefilled)
-            rate, prefill_rate = sh.decode_rate_ewma, sh.prefill_rate_ewma
-        return (
-            stats.pool_blocks_used,
-            stats.pool_blocks_total,
-            stats.lanes_active & U32_MAX,
-            self.max_lanes,
-            sum(stats.queue_depth) & U32_MAX,
-            rate,
-            prefill_rate,
-            now,
-        )
+    def sample_load(self) -> LoadSample:
+        with self.shared.lock:
+            return self.shared.load.sample(self.daemon.sched_stats(), self.now_ms())
 
     def capacity(self) -> CapacitySummary:
-        kv_used, kv_total, lanes, max_lanes, depth, rate, prefill_rate, at = self.sample_load()
+        load = self.sample_load()
         with self.shared.lock:
             active = len(self.shared.contexts)
         memory = self.daemon.device_memory()
@@ -333,14 +275,14 @@ class NodeAgent:
             active_sessions=active,
             max_sessions=U32_MAX,
             max_context_tokens=self.daemon.max_stream_tokens(),
-            kv_blocks_used=kv_used,
-            kv_blocks_total=kv_total,
-            lanes_active=lanes,
-            max_lanes=max_lanes,
-            queue_depth=depth,
-            decode_tokens_per_s=rate,
-            prefill_tokens_per_s=prefill_rate,
-            sampled_at_ms=at,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total,
+            lanes_active=load.lanes_active,
+            max_lanes=self.max_lanes,
+            queue_depth=load.queue_depth,
+            decode_tokens_per_s=load.decode_tokens_per_s,
+            prefill_tokens_per_s=load.prefill_tokens_per_s,
+            sampled_at_ms=load.sampled_at_ms,
         )
 
     def send_status(self, endpoint: Endpoint) -> None:
@@ -636,7 +578,7 @@ class NodeAgent:
         with sh.lock:
             context = list(sh.contexts.get(req.session_id, ()))
             params = sh.params.get(req.session_id, GenParams())
-            sh.busy.start()
+            sh.load.busy.start()
             sh.runs += 1
         cancel = threading.Event()
         run = Running(
@@ -746,7 +688,7 @@ def _run_generation(daemon: Daemon, shared: AgentShared, job: GenerationJob) -> 
         log.exception("a generation's worker failed; its connection ends")
     finally:
         with shared.lock:
-            shared.busy.stop()
+            shared.load.busy.stop()
         job.out.finish(generated)
 
 
@@ -784,15 +726,6 @@ def _decode(frame: Frame):
         return decode_payload(frame.msg_type, frame.payload)
     except PostcardError as e:
         raise Payload(f"message type {frame.msg_type:#06x}: {e}") from e
-
-
-def _rate(count: int, prev: int, dt_ms: int) -> int:
-    return (max(count - prev, 0) * 1000 // dt_ms) & U32_MAX
-
-
-def _smooth(prev: int, sample: int) -> int:
-    """The EWMA of the node's rates: the first sample as is, then 3/4 the old plus 1/4 the new."""
-    return sample if prev == 0 else (prev * 3 + sample) // 4
 
 
 def is_client_refusal(e: DaemonError) -> bool:

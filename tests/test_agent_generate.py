@@ -229,7 +229,7 @@ def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node, cap
         assert head.closed_by_node(3.0)
     outcome = node.outcome()
     assert isinstance(outcome, GenerationError) and "ended without a result" in str(outcome)
-    assert node.agent.running_generations() == 0 and node.agent.shared.busy.running == 0
+    assert node.agent.running_generations() == 0 and node.agent.shared.load.busy.running == 0
     assert "engine bug" in caplog.text, "the cause is logged, not lost with the worker"
 
 

@@ -56,7 +56,7 @@ class Counters(MockDaemon):
 def test_rates_are_an_ewma_of_busy_time_samples():
     daemon = Counters()
     agent = NodeAgent(daemon, "node", "mock")
-    busy = agent.shared.busy
+    busy = agent.shared.load.busy
 
     def rates(busy_ms: int, decoded: int, prefilled: int) -> tuple[int, int]:
         busy.total += busy_ms / 1000
@@ -74,7 +74,7 @@ def test_rates_are_an_ewma_of_busy_time_samples():
 
 def test_busy_time_counts_only_while_something_runs():
     agent = NodeAgent(MockDaemon(), "node", "mock")
-    busy = agent.shared.busy
+    busy = agent.shared.load.busy
     busy.start()
     busy.start()
     time.sleep(0.05)

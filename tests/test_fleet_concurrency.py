@@ -121,7 +121,7 @@ def test_eight_connections_with_four_generations_each_leave_nothing_behind(start
     assert node.agent.running_generations() == 0
     stats = daemon.sched_stats()
     assert (stats.pool_blocks_used, stats.lanes_active) == (0, 0)
-    assert node.agent.shared.busy.running == 0
+    assert node.agent.shared.load.busy.running == 0
     assert node.agent.shared.contexts == {}, "every session was revoked"
     node.stop()
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
