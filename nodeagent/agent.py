@@ -703,8 +703,11 @@ def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue, waker
             resp.hidden = output.data
         elif isinstance(output, StageToken):
             resp.token = output.token
-    except DaemonError:
-        pass
+    except DaemonError as e:
+        log.warning(
+            "a stage forward the node could not run; answering it empty",
+            extra=_fields(request=m.request_id, start=m.start_layer, end=m.end_layer, error=e),
+        )
     except Exception:
         log.exception("a stage forward's worker failed; answering it as not run")
     finally:

@@ -1,6 +1,7 @@
 """Stage forwards (node-behaviour.md §1.9): run off the connection's thread, one at a time; a
 second while one runs, or one the engine cannot run, is answered empty at once."""
 
+import logging
 import threading
 import time
 
@@ -42,11 +43,14 @@ def test_two_stages_give_the_token_of_one(node, split):
 
 
 @pytest.mark.parametrize("start, end, hidden", [(3, 2, None), (0, 25, None), (5, 24, b"short")])
-def test_a_stage_the_engine_cannot_run_is_answered_empty(node, start, end, hidden):
+def test_a_stage_the_engine_cannot_run_is_answered_empty(node, start, end, hidden, caplog):
+    caplog.set_level(logging.WARNING, logger="nodeagent.agent")
     with FleetHead.connect(node.addr) as head:
         answer = head.stage(TOKENS, start, end, hidden)
         assert (answer.hidden, answer.token) == (None, None)
         assert head.stage(TOKENS, 0, 24).token == mock_stage(TOKENS, 0, 24), "the connection serves on"
+    (why,) = [r for r in caplog.records if r.getMessage().startswith("a stage forward the node could not run")]
+    assert why.fields["start"] == start and str(why.fields["error"]), "the reason is logged, not dropped"
 
 
 def test_a_second_stage_while_one_runs_is_answered_empty_at_once(start_node):
