@@ -20,7 +20,7 @@ from pathlib import Path
 
 from linkf.secure import ASCII_WHITESPACE, read_token
 from nodeagent import logs
-from nodeagent.engine import DTYPES, RUNTIMES
+from nodeagent.engine.choices import DTYPES, RUNTIMES
 from nodeagent.models import ALIASES, is_gguf
 
 PROGRAM = "superfluid-noded"

@@ -24,6 +24,10 @@ class DaemonError(Exception):
     """A failure of the engine behind the agent."""
 
 
+class ModelLoadError(DaemonError):
+    """The model could not be loaded; the CLI exits 3 on it."""
+
+
 class StreamTooLong(DaemonError):
     """The stream does not fit the model's context window: the head should not have sent it."""
 

@@ -299,7 +299,8 @@ def test_a_log_line_looks_like_tracing_fmt():
 
 def test_cuda_n_past_the_devices_there_is_a_load_error_naming_them(monkeypatch):
     torch = pytest.importorskip("torch")
-    from nodeagent.engine import ModelLoadError, torch_engine
+    from nodeagent.daemon import ModelLoadError
+    from nodeagent.engine import torch_engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from gguf_fixtures import k_quant_tensors, mixed_types, train_vocab
-from nodeagent.daemon import GenExtras
-from nodeagent.engine import ModelLoadError
+
+from nodeagent.daemon import GenExtras, ModelLoadError
 from nodeagent.engine.builtin import random_tensors
 from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.gguf_file import load_gguf

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from nodeagent import finish
-from nodeagent.daemon import GenExtras
-from nodeagent.engine import ModelLoadError, open_engine
-from nodeagent.engine import loader
+from nodeagent.daemon import GenExtras, ModelLoadError
+from nodeagent.engine import loader, open_engine
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_checkpoint
 from nodeagent.engine.model import LlamaModel, ModelConfig

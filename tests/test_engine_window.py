@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent.engine import ModelLoadError
+from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.loader import config_from_hf
 
 BASE = {"vocab_size": 32, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 2}

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from nodeagent import models
-from nodeagent.engine import ModelLoadError, open_engine
+from nodeagent.daemon import ModelLoadError
+from nodeagent.engine import open_engine
 
 MISSING = models.Alias("absent-model", "no-such-dist-xyz", "pkg/model.gguf", "pip install --no-deps no-such-dist-xyz")
 

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-from nodeagent.daemon import Daemon, DaemonError
-
-RUNTIMES = ("mock", "torch")
-#: `--dtype` choices for the torch engine; auto is bf16 on CUDA and fp32 on CPU.
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-class ModelLoadError(DaemonError):
-    """The model could not be loaded; the CLI exits 3 on it."""
+from nodeagent.daemon import Daemon
+from nodeagent.engine.choices import RUNTIMES
 
 
 def open_engine(

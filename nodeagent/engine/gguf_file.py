@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nodeagent.engine import ModelLoadError
+from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.loader import Progress, check_config, checked, refuse_unused
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_header

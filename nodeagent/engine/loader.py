@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nodeagent.engine import ModelLoadError
+from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.rope import RopeScalingError, inv_frequencies
 

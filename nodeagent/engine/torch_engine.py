@@ -24,6 +24,7 @@ from nodeagent.daemon import (
     GenerationError,
     GenerationResult,
     GenExtras,
+    ModelLoadError,
     OnTokens,
     SchedStats,
     StageError,
@@ -32,8 +33,8 @@ from nodeagent.daemon import (
     StageToken,
     check_stream,
 )
-from nodeagent.engine import DTYPES, ModelLoadError
 from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
+from nodeagent.engine.choices import DTYPES
 from nodeagent.engine.gguf_file import load_gguf
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.loader import load_model
