@@ -85,7 +85,12 @@ class Node:
         listener.settimeout(POLL_S)
         swept = time.monotonic()
         while not self._stop.is_set():
-            self._accept_one(listener)
+            try:
+                self._accept_one(listener)
+            except MemoryError:
+                # Out of memory while taking a connection: that one is lost, the node stays.
+                say("out of memory while taking a connection; it is closed")
+                time.sleep(POLL_S)
             if time.monotonic() - swept >= SWEEP_S:
                 self.agent.fence(self.agent.now_ms())
                 _return_free_memory()

@@ -13,6 +13,7 @@ import tracemalloc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from polling import background, wait_until
 
 from conformance.head import LEASE, FleetHead
 from conformance.raw import hung_up, raw_connect
@@ -26,7 +27,6 @@ from nodeagent.admission import Admission, Limits
 from nodeagent.cli import Options, loopback
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.noded import Node
-from polling import background, wait_until
 from proto.handshake import MAX_HELLO_FRAME
 from proto.linkf import (
     GenerateReqMsg,
@@ -36,6 +36,7 @@ from proto.linkf import (
     SessionRevokeMsg,
     TokenEventPayload,
     WatermarkAckMsg,
+    msg_type,
 )
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock")
@@ -78,6 +79,8 @@ def test_a_connection_whose_thread_cannot_start_is_closed_and_the_node_serves_on
 def test_max_connections_caps_open_connections_without_a_token(noded):
     node = noded(*MOCK, "--max-connections", "3")
     heads = [FleetHead.connect(node.addr) for _ in range(3)]
+    for head in heads:  # its first status comes after the node has counted it past HELLO
+        head.wait_for(msg_type.NODE_STATUS)
     try:
         with raw_connect(node.addr) as fourth:
             assert hung_up(fourth, 2)
@@ -239,7 +242,7 @@ def test_a_frame_before_hello_is_capped_at_the_hello_size(noded):
     node = noded(*MOCK)  # handshake timeout 10 s: a node that waited would not hang up
     with raw_connect(node.addr) as sock:
         sock.sendall((MAX_HELLO_FRAME + 1).to_bytes(4, "little") + b"\x00" * 1000)
-        assert hung_up(sock, 1)
+        assert hung_up(sock, 3)
     node.wait_line(rf"frame length {MAX_HELLO_FRAME + 1} exceeds the {MAX_HELLO_FRAME} byte cap")
 
 

@@ -7,19 +7,19 @@ sizes are in `run.py`, the short ones in `tests/test_reliability_short.py`. Traf
 from __future__ import annotations
 
 import random
-import resource
 import signal
 import socket
 import threading
 import time
 
+from harness import Measured, Row, WatchedNode, warm_up
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_postcard_hypothesis import structs
 
 from conformance.head import FleetHead, Generation
 from conformance.raw import RawLink, hung_up, raw_connect, raw_frame
 from conformance.reference import mock_tokens
-from harness import Measured, Row, WatchedNode, warm_up
 from linkf.budget import DEFAULT_BUDGET
 from linkf.errors import LinkFError
 from linkf.secure import NoiseRole, SecureStream, key_from
@@ -28,11 +28,10 @@ from proto import postcard
 from proto.envelope import MAX_FRAME
 from proto.handshake import MAX_HELLO_FRAME, Hello, LinkRole
 from proto.linkf import PAYLOAD_TYPES, Lease, msg_type
-from test_postcard_hypothesis import structs
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock")
 TOKEN = b"reliability-token"
-SHORT_LEASE = Lease(duration_ms=300, renew_by_ms=150)
+SHORT_LEASE = Lease(duration_ms=1000, renew_by_ms=300)
 
 
 def _started(*args: str, token: bytes = b"") -> WatchedNode:
@@ -265,39 +264,6 @@ def _head_gets_in(row: Row, node: WatchedNode, within: float) -> None:
         row.note(f"a real head took {took:.2f} s to get in")
 
 
-# ---- threads that cannot start ----------------------------------------------------------------
-
-
-def thread_cap(connections: int) -> Row:
-    """The node's address space capped 400 MB above its size (as a container's memory limit
-    would), then `connections` heads at once: those whose thread cannot start are closed with
-    one line each, the node serves on, and once they are gone a head is served exactly."""
-    row = Row("threads that cannot start", f"{connections} heads, 400 MB address-space cap", 0)
-    node = _started()
-    resource.prlimit(node.proc.proc.pid, resource.RLIMIT_AS, (node.status("VmSize") + (400 << 20), resource.RLIM_INFINITY))
-    heads: list[FleetHead] = []
-    try:
-        with Measured(row, node):
-            for _ in range(connections):
-                try:
-                    heads.append(FleetHead.connect(node.addr, timeout=2))
-                except (LinkFError, OSError):
-                    row.faults += 1
-            for head in heads:
-                head.close()
-            time.sleep(0.5)
-            _head_gets_in(row, node, 2.0)
-            row.load += f", {len(heads)} served, {row.faults} closed"
-            if not any("cannot start its thread" in line for line in node.proc.lines):
-                row.wrong += 1
-                row.note("the cap never stopped a thread: the row tested nothing")
-    finally:
-        for head in heads:
-            head.close()
-        node.close()
-    return row
-
-
 # ---- auth probes ------------------------------------------------------------------------------
 
 
@@ -402,8 +368,8 @@ def _replayed(addr: str, replay: bytes) -> bool:
 
 
 def leases(sessions: int) -> Row:
-    """`sessions` sessions on 300 ms leases whose head never renews, and as many whose head
-    does: after a second every unrenewed one is fenced (a generation on it is declined), every
+    """`sessions` sessions on 1 s leases whose head never renews, and as many whose head does:
+    after 1.5 s every unrenewed one is fenced (a generation on it is declined), every
     renewed one serves exactly, and the fenced ones are forgotten after the retention time."""
     row = Row("lease expiry", f"{2 * sessions} sessions", sessions)
     node = _started("--session-retention-ms", "1000")
@@ -414,7 +380,7 @@ def leases(sessions: int) -> Row:
                 lapsing.assign(1000 + sid, lease=SHORT_LEASE)
                 renewing.assign(5000 + sid, lease=SHORT_LEASE)
                 renewing.append(5000 + sid, [sid])
-            deadline = time.monotonic() + 1.0
+            deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 lapsing.pump()
                 renewing.pump()
@@ -530,7 +496,6 @@ ROWS = [
     (cuts, {"trials": 500}, {"trials": 20}),
     (fuzz, {"frames": 20_000}, {"frames": 600}),
     (slow_peers, {"peers": 300}, {"peers": 60}),
-    (thread_cap, {"connections": 300}, {"connections": 40}),
     (auth, {"probes": 100}, {"probes": 8}),
     (leases, {"sessions": 200}, {"sessions": 10}),
     (drain, {"heads": 8}, {"heads": 2}),
