@@ -11,7 +11,7 @@ from conformance.reference import MOCK_LAYERS, mock_stage, mock_tokens
 from conformance.scenario import Context, Violation, check, scenario, skip
 from linkf.errors import Closed
 from nodeagent import finish
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.linkf import (
     GenerateReqMsg,
     GenerationBudgetsMsg,

@@ -29,7 +29,7 @@ from linkf.errors import Closed, Payload
 from linkf.head import HeadSession
 from nodeagent import finish
 from nodeagent.fleet import encode_params, encode_tokens
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.envelope import Frame
 from proto.handshake import HelloAckF, LinkRole
 from proto.linkf import (

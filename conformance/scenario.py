@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from conformance.head import GREEDY, LEASE, FleetHead, clock_id
 from conformance.raw import RawLink
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.handshake import HelloAckF
 from proto.linkf import Lease
 

@@ -43,7 +43,7 @@ from nodeagent.fleet import decode_params, decode_tokens
 from nodeagent.load import U32_MAX, LoadMeter, LoadSample
 from nodeagent.observe import GenerationWatch, NodeObserver
 from nodeagent.outbox import Outbox
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.envelope import MAX_FRAME, Frame
 from proto.handshake import CapacitySummary, HelloAckF
 from proto.linkf import (

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 #: `on_tokens(batch)` returns True to go on, False to stop the generation (finish CANCELLED).
 OnTokens = Callable[[list[int]], bool]

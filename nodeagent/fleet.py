@@ -4,7 +4,7 @@
 `Vec<u32>`, the session's whole context.
 """
 
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.postcard import U32, PostcardError, Vec, from_bytes, to_bytes
 
 _TOKENS = Vec[U32]

@@ -1,4 +1,4 @@
-"""Per-session generation parameters, as the Rust daemon's `wal::GenParams`."""
+"""Per-session generation parameters: the Python twin of the Rust daemon's `wal::GenParams`."""
 
 from dataclasses import dataclass
 

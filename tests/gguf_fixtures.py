@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from nodeagent.engine.checkpoint import GGUFVocab, Quantized
 from nodeagent.engine.model import ModelConfig

@@ -9,7 +9,7 @@ from conformance.reference import mock_tokens
 from linkf.errors import Envelope, Payload, Protocol
 from nodeagent.daemon import DaemonError
 from nodeagent.fleet import encode_params
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto import postcard
 from proto.envelope import MAX_FRAME
 from proto.handshake import Hello, LinkRole

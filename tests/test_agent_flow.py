@@ -19,7 +19,7 @@ from nodeagent import agent as node_agent
 from nodeagent import finish
 from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, NodeAgent
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.linkf import TokenEventPayload
 
 MILLION = 1_000_000

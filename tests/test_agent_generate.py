@@ -11,7 +11,7 @@ from conformance.reference import mock_tokens
 from nodeagent import finish
 from nodeagent.daemon import ConstraintError, GenerationError
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.linkf import GenerateReqMsg, GenerationBudgetsMsg, TokenEventPayload, msg_type
 
 PROMPT = list(range(100, 120))

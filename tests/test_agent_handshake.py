@@ -12,7 +12,7 @@ from conformance.reference import mock_tokens
 from linkf.driver import Endpoint
 from linkf.errors import LinkFError, Protocol, Unauthorized
 from nodeagent import finish
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.envelope import MAX_FRAME
 from proto.handshake import LinkRole
 from proto.linkf import msg_type

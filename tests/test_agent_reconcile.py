@@ -5,7 +5,7 @@ connection's own (their renewals go there)."""
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
 from nodeagent import finish
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.linkf import (
     Lease,
     LeaseStateMsg,

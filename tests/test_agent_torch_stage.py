@@ -11,7 +11,7 @@ from nodeagent.daemon import GenExtras
 from nodeagent.engine.builtin import random_model
 from nodeagent.engine.model import ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 TINY = ModelConfig(
     vocab_size=512,

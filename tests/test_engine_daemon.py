@@ -13,7 +13,7 @@ import torch
 from nodeagent.daemon import GenExtras, StageError, StageHidden, StageToken
 from nodeagent.engine import open_engine
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 torch.set_num_threads(1)
 

@@ -17,7 +17,7 @@ from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.gguf_file import load_gguf
 from nodeagent.engine.model import ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.kvpool import blocks_for
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,7 @@ from nodeagent.engine.checkpoint import write_checkpoint
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.rope import inv_frequencies
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 torch.set_num_threads(1)
 

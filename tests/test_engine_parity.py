@@ -20,7 +20,7 @@ from nodeagent.engine import linear
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 torch.set_num_threads(1)
 

@@ -17,7 +17,7 @@ from nodeagent.engine.builtin import random_model
 from nodeagent.engine.model import ModelConfig
 from nodeagent.engine.scheduler import Generation, Scheduler
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,7 @@ import torch
 from conformance.text import load_text_codec
 from nodeagent.daemon import GenExtras
 from nodeagent.models import ALIASES, AliasUnavailable, alias_path
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "smollm2.json").read_text())
 ALIAS = VECTORS["alias"]

@@ -18,7 +18,7 @@ from linkf.errors import LinkFError
 from nodeagent import finish
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 
 def local_mock(prompt, max_new, seed=0):

@@ -7,7 +7,7 @@ from conformance.reference import mock_tokens
 from linkf.errors import LinkFError, Unauthorized
 from nodeagent import finish
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.linkf import TokenEventPayload
 
 

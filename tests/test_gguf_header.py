@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
 
 from nodeagent.gguf_header import GGUFHeaderError, read_header
 

@@ -7,9 +7,10 @@ import json
 import socket
 import time
 
+from nodeproc import SERVING
+
 from conformance.head import FleetHead
 from linkf.errors import LinkFError
-from nodeproc import SERVING
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock")
 

@@ -9,6 +9,7 @@ import socket
 import urllib.error
 import urllib.request
 
+from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from conformance.head import FleetHead
@@ -16,7 +17,6 @@ from conformance.raw import hung_up, raw_connect
 from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
 from nodeagent import finish
-from polling import wait_until
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock", "--metrics-listen", "127.0.0.1:0")
 METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health$"

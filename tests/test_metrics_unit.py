@@ -9,13 +9,13 @@ import urllib.error
 import urllib.request
 
 import pytest
+from polling import wait_until
 
 from nodeagent import finish
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.metrics import MetricsServer, NodeMetrics
 from nodeagent.observe import Observers
 from nodeagent.story import StoryLog
-from polling import wait_until
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from nodeagent.daemon import (
     StreamTooLong,
 )
 from nodeagent.engine.mock import POOL_BLOCKS, MockDaemon
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 
 def reference(prompt, seed, n):

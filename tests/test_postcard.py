@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 from proto.handshake import Hello, LinkRole
 from proto.linkf import (
     PAYLOAD_TYPES,
@@ -28,6 +28,7 @@ from proto.linkf import (
     TokenEventsMsg,
 )
 from proto.postcard import (
+    F32,
     U8,
     U16,
     U32,
@@ -35,7 +36,6 @@ from proto.postcard import (
     Array32,
     Bool,
     Bytes,
-    F32,
     Option,
     PostcardError,
     Str,

@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from gguf_fixtures import CHAT_TEMPLATE, CONFIG_FOR_VOCAB, train_vocab
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conformance.text import StreamDecoder, TextCodecError, load_text_codec
-from gguf_fixtures import CHAT_TEMPLATE, CONFIG_FOR_VOCAB, train_vocab
 from nodeagent import models
 
 VOCAB = train_vocab()

@@ -30,7 +30,7 @@ from nodeagent.daemon import (
     StageToken,
     check_stream,
 )
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 VOCAB = 32000
 N_LAYERS = 24

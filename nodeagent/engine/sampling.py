@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 
 class LaneSampler:

@@ -42,7 +42,7 @@ from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, TOKEN, Generation, Scheduler
 from nodeagent.models import AliasUnavailable, is_gguf, resolve
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from linkf.driver import Endpoint  # noqa: E402
 from linkf.errors import LinkFError  # noqa: E402
 from nodeagent.agent import EVENT_TOKENS_MAX, UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX  # noqa: E402
 from nodeagent.engine.mock import _Stepper  # noqa: E402
-from nodeagent.wal import GenParams  # noqa: E402
+from nodeagent.params import GenParams  # noqa: E402
 from proto.linkf import (  # noqa: E402
     TokenEvent,
     TokenEventPayload,

@@ -21,14 +21,13 @@ import time
 from pathlib import Path
 
 import torch
-
 from engine import best_time  # the sibling bench: one timing rule for every engine figure
 
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.gguf_file import load_gguf
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.models import ALIASES, AliasUnavailable, alias_path
-from nodeagent.wal import GenParams
+from nodeagent.params import GenParams
 
 VECTORS = json.loads((Path(__file__).parents[1] / "vectors" / "smollm2.json").read_text())
 ALIAS = VECTORS["alias"]

@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nodeproc import Noded
+
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
-from nodeproc import Noded
 
 #: How far above its baseline a node's resident memory may settle after a row: the allocator
 #: keeps some freed memory for reuse (its arenas, the interpreter's free lists).
