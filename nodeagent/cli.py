@@ -20,14 +20,15 @@ from pathlib import Path
 
 from linkf.secure import ASCII_WHITESPACE, read_token
 from nodeagent import logs
+from nodeagent.agent import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT
+from nodeagent.daemon import MIN_CONTEXT
 from nodeagent.engine.choices import DTYPES, RUNTIMES
+from nodeagent.engine.mock import MOCK_WINDOW
 from nodeagent.models import ALIASES, is_gguf
 
 PROGRAM = "superfluid-noded"
 DEFAULT_LISTEN = "0.0.0.0:8454"
 DEFAULT_LANES = 8
-DEFAULT_MOCK_CONTEXT = 4096
-MIN_CONTEXT = 512
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 LOG_FORMATS = ("text", "json")
 
@@ -114,9 +115,9 @@ class Options:
     auth_file: str | None = None
     insecure_no_auth: bool = False
     offline: bool = False
-    handshake_timeout_ms: int = 10_000
-    idle_timeout_ms: int = 30_000
-    write_timeout_ms: int = 10_000
+    handshake_timeout_ms: int = int(DEFAULT_HANDSHAKE_TIMEOUT * 1000)
+    idle_timeout_ms: int = int(DEFAULT_IDLE_TIMEOUT * 1000)
+    write_timeout_ms: int = int(DEFAULT_WRITE_TIMEOUT * 1000)
     device: str = "auto"
     dtype: str = "auto"
     kv_budget_mb: int | None = None
@@ -405,7 +406,7 @@ def load(opts: Options, runtime: str):
     from nodeagent.engine import open_engine
 
     if runtime == "mock":
-        max_context = max(opts.max_context or DEFAULT_MOCK_CONTEXT, MIN_CONTEXT)
+        max_context = max(opts.max_context or MOCK_WINDOW, MIN_CONTEXT)
     else:
         max_context = None if opts.max_context is None else max(opts.max_context, MIN_CONTEXT)
     try:

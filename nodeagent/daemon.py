@@ -9,8 +9,9 @@ from __future__ import annotations
 import abc
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from nodeagent.params import GenParams
 
@@ -18,6 +19,8 @@ from nodeagent.params import GenParams
 OnTokens = Callable[[list[int]], bool]
 
 QOS_CLASSES = 4  # 0 chat, 1 completion, 2 agent, 3 background
+#: The smallest context window a node serves (`--max-context` and the torch engine's floor).
+MIN_CONTEXT = 512
 
 
 class DaemonError(Exception):

@@ -22,10 +22,10 @@ def open_engine(
     `token_delay_s` slows the mock's every step, so tests can hold a generation open.
     """
     if runtime == "mock":
-        from nodeagent.engine.mock import MockDaemon
+        from nodeagent.engine.mock import MOCK_WINDOW, MockDaemon
 
         return MockDaemon(
-            max_context=max_context or 4096, max_lanes=max_batch, token_delay_s=token_delay_s
+            max_context=max_context or MOCK_WINDOW, max_lanes=max_batch, token_delay_s=token_delay_s
         )
     if runtime == "torch":
         from nodeagent.engine.torch_engine import TorchDaemon

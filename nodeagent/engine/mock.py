@@ -38,6 +38,8 @@ PAGE_TOKENS = 16
 BYTES_PER_TOKEN = 64
 POOL_BYTES = 1 << 20
 POOL_BLOCKS = POOL_BYTES // (PAGE_TOKENS * BYTES_PER_TOKEN)
+#: The mock's context window unless told otherwise, as the Rust mock's.
+MOCK_WINDOW = 4096
 #: Tokens one `on_tokens` call carries when steps are not delayed: one call per step would
 #: cost more than the step itself.
 DEFAULT_BATCH_TOKENS = 64
@@ -176,7 +178,7 @@ class MockDaemon(Daemon):
 
     def __init__(
         self,
-        max_context: int = 4096,
+        max_context: int = MOCK_WINDOW,
         max_lanes: int = 8,
         token_delay_s: float = 0.0,
         batch_tokens: int | None = None,

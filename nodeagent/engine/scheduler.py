@@ -32,6 +32,9 @@ from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
 from nodeagent.engine.model import LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
 
+#: Prompt tokens one step prefills at most, across the lanes prefilling in it.
+PREFILL_CHUNK = 512
+
 log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
@@ -114,7 +117,7 @@ class Scheduler:
         pool: KVPool,
         max_batch: int,
         max_context: int,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = PREFILL_CHUNK,
         prefix_cache: bool = True,
     ):
         self.model = model

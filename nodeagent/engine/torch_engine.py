@@ -18,6 +18,7 @@ import torch
 
 from nodeagent import finish
 from nodeagent.daemon import (
+    MIN_CONTEXT,
     QOS_CLASSES,
     Daemon,
     DeviceMemory,
@@ -40,7 +41,7 @@ from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_
 from nodeagent.engine.loader import load_model
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.sampling import LaneSampler
-from nodeagent.engine.scheduler import ERROR, TOKEN, Generation, Scheduler
+from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
 from nodeagent.models import AliasUnavailable, is_gguf, resolve
 from nodeagent.params import GenParams
 
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_MB = 256
 CUDA_KV_SHARE = 0.6  # of the device memory still free once the weights are in
-MIN_CONTEXT = 512
 #: How often a caller waiting on its generation looks at its cancel event.
 CANCEL_POLL_S = 0.02
 
@@ -64,7 +64,7 @@ class TorchDaemon(Daemon):
         max_batch: int = 8,
         max_context: int | None = None,
         kv_blocks: int | None = None,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = PREFILL_CHUNK,
         prefix_cache: bool = True,
     ):
         if max_batch < 1:
