@@ -2,6 +2,6 @@
 
 import sys
 
-from nodeagent.cli import main
+from nodeagent.main import main
 
 sys.exit(main())

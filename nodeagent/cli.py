@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -423,59 +422,6 @@ def load(opts: Options, runtime: str):
     except Exception as e:  # noqa: BLE001 - whatever stops the load, the node cannot serve
         log.debug("model load failed", exc_info=True)
         raise Exit(3, f"model load failed: {e}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    logs.init_stderr(logs.filter_from_env(), PROGRAM)
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        opts = parse_args(argv)
-        if opts.log_format != "text":
-            logs.init_stderr(logs.filter_from_env(), PROGRAM, opts.log_format)
-        return run(opts)
-    except ShowVersion:
-        print(f"{PROGRAM} {version()}", flush=True)
-        return 0
-    except UsageError as e:
-        if e.message:
-            say(e.message)
-        logs.write_line(USAGE)
-        return 2
-    except Exit as e:
-        if e.message:
-            say(e.message)
-        return e.code
-    except KeyboardInterrupt:  # before the node catches signals: while the model loads
-        return 130
-
-
-def run(opts: Options) -> int:
-    """Everything that can refuse the node does so before the model loads."""
-    if opts.join is not None:
-        from nodeagent.join import run_join  # here: it imports this module
-
-        return run_join(opts)
-    token = fleet_token(opts)
-    listener = bind(opts.listen)
-    try:
-        metrics = start_metrics(opts)
-        daemon = load(opts, pick_runtime(opts))
-        say(daemon.summary())
-        listener.listen(128)
-        from nodeagent.noded import Node  # here: it imports this module, and the wire stack
-
-        node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
-        node.catch_signals()
-        node.observer.node_state("serving")  # before the line that says so: /health agrees with it
-        say(
-            f"node '{node.identity}' serving '{node.model_name}' on "
-            f"{show_addr(listener.getsockname())} (Link F/TCP)"
-        )
-        if token:
-            say("the link is encrypted and both ends are checked against the token")
-        return node.serve_until_signalled(listener)
-    finally:
-        listener.close()
 
 
 def start_metrics(opts: Options):

@@ -86,7 +86,7 @@ def store_token(home: Path, token: bytes) -> Path:
 
 
 def run_join(opts: Options) -> int:
-    """`superfluid-noded join`: what `cli.run` is to listen mode. Everything that can refuse the
+    """`superfluid-noded join`: what `noded.run_listen` is to listen mode. Everything that can refuse the
     node does so before the model loads."""
     token = join_token(opts)
     metrics = start_metrics(opts)

@@ -28,7 +28,18 @@ from linkf.secure import NoiseRole
 from linkf.transcript import NODE, Recorder
 from nodeagent.admission import Admission, Entry, Limits
 from nodeagent.agent import NodeAgent
-from nodeagent.cli import Options, say, show_addr
+from nodeagent.cli import (
+    Options,
+    bind,
+    fleet_token,
+    identity,
+    load,
+    observers,
+    pick_runtime,
+    say,
+    show_addr,
+    start_metrics,
+)
 from nodeagent.daemon import Daemon, DaemonError
 from nodeagent.observe import Observers
 
@@ -113,7 +124,7 @@ class Node:
     def _accept_one(self, listener: socket.socket) -> None:
         try:
             sock, addr = listener.accept()
-        except socket.timeout:
+        except TimeoutError:
             return
         except OSError as e:
             # Out of descriptors, or a connection aborted before it was taken: keep serving.
@@ -276,3 +287,26 @@ def describe(e: BaseException, peer: str) -> str:
     if isinstance(e, (LinkFError, DaemonError)):
         return str(e).removesuffix(f" (peer {peer})")
     return f"{type(e).__name__}: {e}"
+
+
+def run_listen(opts: Options) -> int:
+    """Listen mode. Everything that can refuse the node does so before the model loads."""
+    token = fleet_token(opts)
+    listener = bind(opts.listen)
+    try:
+        metrics = start_metrics(opts)
+        daemon = load(opts, pick_runtime(opts))
+        say(daemon.summary())
+        listener.listen(128)
+        node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
+        node.catch_signals()
+        node.observer.node_state("serving")  # before the line that says so: /health agrees with it
+        say(
+            f"node '{node.identity}' serving '{node.model_name}' on "
+            f"{show_addr(listener.getsockname())} (Link F/TCP)"
+        )
+        if token:
+            say("the link is encrypted and both ends are checked against the token")
+        return node.serve_until_signalled(listener)
+    finally:
+        listener.close()
