@@ -109,15 +109,16 @@ class AgentShared:
     contexts: dict[int, list[int]] = field(default_factory=dict)
     params: dict[int, GenParams] = field(default_factory=dict)
     load: LoadMeter = field(default_factory=LoadMeter)
-    #: Generations some connection is running, until their Finish is sent or they are dropped.
-    runs: int = 0
+    #: Generations some connection is running, until their Finish is sent or they are dropped;
+    #: by `id`, so a drain can reach each one.
+    running: dict[int, Running] = field(default_factory=dict)
     #: Set when a drain runs out of time: every running generation ends with a Finish(ERROR).
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def running_generations(self) -> int:
         """How many generations are running on any connection (a drain waits for zero)."""
         with self.lock:
-            return self.runs
+            return len(self.running)
 
     def forget(self, session_id: int) -> None:
         self.contexts.pop(session_id, None)
@@ -251,8 +252,13 @@ class NodeAgent:
 
     def stop_generations(self) -> None:
         """Ends every running generation at its next step with a Finish(ERROR) after the tokens
-        it made: what a drain that ran out of time tells the heads."""
+        it made: what a drain that ran out of time tells the heads. Each is cancelled here, so
+        its worker ends and wakes its connection at once, however idle that connection is."""
         self.shared.stopping.set()
+        with self.shared.lock:
+            for run in self.shared.running.values():
+                run.drained = True
+                run.stop()
 
     def now_ms(self) -> int:
         return int((time.monotonic() - self.start) * 1000)
@@ -578,8 +584,6 @@ class NodeAgent:
         with sh.lock:
             context = list(sh.contexts.get(req.session_id, ()))
             params = sh.params.get(req.session_id, GenParams())
-            sh.load.busy.start()
-            sh.runs += 1
         cancel = threading.Event()
         run = Running(
             session_id=req.session_id,
@@ -590,9 +594,21 @@ class NodeAgent:
             watch=self.observer.generation_started(req.session_id, req.generation_id, len(context)),
         )
         job = GenerationJob(context, params, run.max_new, req.budgets.max_wall_ms, cancel, run.out)
-        threading.Thread(
-            target=_run_generation, args=(self.daemon, sh, job), name="node-generation", daemon=True
-        ).start()
+        with sh.lock:
+            sh.load.busy.start()
+            sh.running[id(run)] = run
+            if sh.stopping.is_set():  # a drain already stopping the others stops this one too
+                run.drained = True
+                run.stop()
+        try:
+            threading.Thread(
+                target=_run_generation, args=(self.daemon, sh, job), name="node-generation", daemon=True
+            ).start()
+        except RuntimeError as e:  # no thread to be had: the counters must not keep it
+            with sh.lock:
+                sh.load.busy.stop()
+                del sh.running[id(run)]
+            raise GenerationError(f"cannot start a generation's worker: {e}") from e
         return run
 
     def drop_generation(self, work: Work) -> None:
@@ -602,17 +618,14 @@ class NodeAgent:
         work.generation.stop()
         work.generation.out.release()
         work.generation.watch.dropped()
-        work.generation = None
         with self.shared.lock:
-            self.shared.runs -= 1
+            del self.shared.running[id(work.generation)]
+        work.generation = None
 
     def forward(self, endpoint: Endpoint, run: Running) -> bool:
         """Sends what `run` produced since the last pass, at most `EVENT_TOKENS_MAX` tokens, and
         its finish once it ends; takes nothing while the head's unacknowledged events fill the
         window. True once it has ended, or its session was fenced and it goes silent."""
-        if self.shared.stopping.is_set() and not run.drained:
-            run.drained = True
-            run.stop()
         sh = self.shared
         with sh.lock:
             unacked = sh.agent.unacked(run.session_id, run.generation_id)

@@ -2,6 +2,7 @@
 cancel, finish reasons, and a dropped connection stopping its generation."""
 
 import logging
+import threading
 import time
 
 import pytest
@@ -256,3 +257,22 @@ def test_a_cancel_reaches_a_generation_still_waiting_for_a_lane_at_once(start_no
         assert busy.generations[key].finish is None, "the running one goes on"
         busy.cancel(long_run)
         assert busy.collect(long_run, 5.0).finish == finish.CANCELLED
+
+
+def test_a_worker_that_cannot_start_leaves_no_generation_counted(node, monkeypatch):
+    """A process out of threads ends the connection with the reason, and neither the drain's
+    count nor the busy time keeps the generation that never ran."""
+    real_start = threading.Thread.start
+
+    def no_worker(thread):
+        if thread.name == "node-generation":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_worker)
+    with FleetHead.connect(node.addr) as head:
+        placed(head, 1)
+        head.request(1, 8)
+        assert head.closed_by_node(5.0)
+    assert isinstance(node.outcome(), GenerationError)
+    assert node.agent.running_generations() == 0 and node.agent.shared.load.busy.running == 0
