@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nodeagent.gguf_header import GGUFHeaderError, read_header
 from nodeagent.models import AliasUnavailable, is_gguf, resolve
+
+if TYPE_CHECKING:  # both are imported only when a codec is built, so the kit loads without them
+    from jinja2 import Template
+    from tokenizers import Tokenizer
 
 #: llama.cpp's token types: normal, unknown, control, user-defined, unused, byte.
 CONTROL, USER_DEFINED = 3, 4
@@ -38,18 +43,21 @@ class TextCodecError(ValueError):
 class TextCodec:
     """A model's tokenizer (a `tokenizers.Tokenizer`) and its chat template."""
 
-    tokenizer: object
+    tokenizer: Tokenizer
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
     add_bos: bool = False
-    _template: object = field(default=None, repr=False)
+    _template: Template | None = field(default=None, repr=False)
 
     def encode(self, text: str) -> list[int]:
         """Plain text, with the model's BOS in front when the model asks for one."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token is not None:
-            ids = [self.tokenizer.token_to_id(self.bos_token), *ids]
+            bos = self.tokenizer.token_to_id(self.bos_token)
+            if bos is None:
+                raise TextCodecError(f"the BOS token {self.bos_token!r} is not in the vocabulary")
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -161,7 +169,7 @@ def bpe_tokenizer(tokens: list[str], merges: list[str], types: list[int], pre: s
     """A `tokenizers` byte-level BPE equal to llama.cpp's for the pre-tokenizer `pre`."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [_pair(m) for m in merges]
     vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in LLAMA3_PRES))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -180,9 +188,15 @@ def bpe_tokenizer(tokens: list[str], merges: list[str], types: list[int], pre: s
     else:
         raise TextCodecError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported")
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
-    tokenizer.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    kinds = list(zip(tokens, types, strict=True))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == CONTROL])
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == USER_DEFINED])
     return tokenizer
+
+
+def _pair(merge: str) -> tuple[str, str]:
+    left, _, right = merge.partition(" ")
+    return left, right
 
 
 def _jinja():

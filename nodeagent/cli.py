@@ -256,7 +256,7 @@ def _parse_flags(argv: list[str], opts: Options) -> set[str]:
             raise UsageError(f"unknown flag {arg!r}" if arg.startswith("-") else f"unexpected argument {arg!r}")
         seen.add(arg)
         field, parse = FLAGS[arg]
-        if parse is None:
+        if not callable(parse):
             setattr(opts, field, True)
             continue
         value = next(it, None)
@@ -279,7 +279,7 @@ def loopback(listen: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError):
         return False
-    return bool(infos) and all(_is_loopback(info[4][0]) for info in infos)
+    return bool(infos) and all(_is_loopback(str(info[4][0])) for info in infos)
 
 
 def _is_loopback(address: str) -> bool:
@@ -404,6 +404,7 @@ def load(opts: Options, runtime: str):
     """The daemon to serve from; Exit(3) with the reason when it will not load."""
     from nodeagent.engine import open_engine
 
+    max_context: int | None
     if runtime == "mock":
         max_context = max(opts.max_context or MOCK_WINDOW, MIN_CONTEXT)
     else:

@@ -190,5 +190,5 @@ class Daemon(abc.ABC):
         """The memory of the device the model runs on; none for an engine off any accelerator."""
         return DeviceMemory()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an engine with no threads has nothing to stop
         """Stop background threads; generations still running end CANCELLED."""

@@ -86,20 +86,23 @@ def store_token(home: Path, token: bytes) -> Path:
 
 
 def run_join(opts: Options) -> int:
-    """`superfluid-noded join`: what `noded.run_listen` is to listen mode. Everything that can refuse the
-    node does so before the model loads."""
-    token = join_token(opts)
+    """`superfluid-noded join`: what `noded.run_listen` is to listen mode. Everything that can
+    refuse the node does so before the model loads."""
+    head = opts.join
+    if head is None:
+        raise Exit(2, "join needs the head's address")
+    token = join_token(opts, head)
     metrics = start_metrics(opts)
     daemon = load(opts, pick_runtime(opts))
     say(daemon.summary())
     node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
     node.catch_signals()
-    joiner = Joiner(node, opts.join, token, node.observer)
+    joiner = Joiner(node, head, token, node.observer)
     node.observer.node_state("serving")
     return joiner.run(opts.max_batch)
 
 
-def join_token(opts: Options) -> bytes:
+def join_token(opts: Options, head: str) -> bytes:
     """The token to join with: `--token` (stored first), else `--auth-file`, else the stored
     one; Exit(2) when there is none and the head is off loopback."""
     home = superfluid_home()
@@ -114,10 +117,10 @@ def join_token(opts: Options) -> bytes:
         token = read_default_token(home) or b""
         if token:
             say(f"fleet token from {token_path(home)}")
-    if not token and not loopback(opts.join):
+    if not token and not loopback(head):
         if not opts.insecure_no_auth:
             raise Exit(2, NO_TOKEN)
-        say(f"WARNING --insecure-no-auth: joining {opts.join} with no fleet token (transport-only trust)")
+        say(f"WARNING --insecure-no-auth: joining {head} with no fleet token (transport-only trust)")
     return token
 
 
@@ -139,7 +142,9 @@ class Joiner:
             f"{self.head} once per lane ({lanes})"
         )
         for lane in range(lanes):
-            threading.Thread(target=self._keep_dialing, args=(lane == 0,), name=f"node-lane {lane}", daemon=True).start()
+            threading.Thread(
+                target=self._keep_dialing, args=(lane == 0,), name=f"node-lane {lane}", daemon=True
+            ).start()
         while self.exit_code is None and not self.node.wait_for_stop(0.1):
             pass
         self._over.set()

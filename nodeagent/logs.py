@@ -76,14 +76,14 @@ class JsonFormatter(logging.Formatter):
     target; `superfluid-noded` for the console lines), `message`, then the record's fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "timestamp": _stamp(record),
             "level": _level(record),
             "target": record.name.replace(".", "::"),
             "message": record.getMessage(),
         }
         for key, value in (getattr(record, "fields", None) or {}).items():
-            entry.setdefault(key, value if isinstance(value, (int, float, bool, type(None))) else str(value))
+            entry.setdefault(key, _json_value(value))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -155,3 +155,8 @@ def init_stderr(spec: str, program: str = "superfluid-noded", fmt: str = "text")
     root.setLevel(default)
     for target, level in targets.items():
         logging.getLogger(target).setLevel(level)
+
+
+def _json_value(value: object) -> int | float | bool | str | None:
+    """A field as JSON carries it: numbers, booleans and null as they are, the rest as text."""
+    return value if value is None or isinstance(value, (int, float, bool)) else str(value)

@@ -53,12 +53,12 @@ class NodeMetrics(NodeObserver):
         self._lock = threading.Lock()
         self._held: set[int] = set()
         r = self.registry
-        self.info = Gauge(PREFIX + "info", "The node: identity, model and version", ["identity", "model", "version"], registry=r)
+        self.info = Gauge(
+            PREFIX + "info", "The node: identity, model and version", ["identity", "model", "version"], registry=r
+        )
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Context tokens of the generations started", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens sent to heads", registry=r)
-        self.finished = Counter(
-            PREFIX + "generations_finished", "Generations by finish reason", ["reason"], registry=r
-        )
+        self.finished = Counter(PREFIX + "generations_finished", "Generations by finish reason", ["reason"], registry=r)
         self.running = Gauge(PREFIX + "generations_running", "Generations running on some connection", registry=r)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
@@ -75,11 +75,16 @@ class NodeMetrics(NodeObserver):
         )
         self.connections = Gauge(PREFIX + "connections_open", "Head connections past their HELLO", registry=r)
         self.refused = Counter(
-            PREFIX + "handshakes_refused", "Connections that ended before their HELLO was answered", ["reason"], registry=r
+            PREFIX + "handshakes_refused",
+            "Connections that ended before their HELLO was answered",
+            ["reason"],
+            registry=r,
         )
         for reason in REFUSAL_REASONS:
             self.refused.labels(reason)
-        self.sessions_held = Gauge(PREFIX + "sessions_held", "Sessions placed here and not revoked or fenced", registry=r)
+        self.sessions_held = Gauge(
+            PREFIX + "sessions_held", "Sessions placed here and not revoked or fenced", registry=r
+        )
         self.sessions_fenced = Counter(PREFIX + "sessions_fenced", "Sessions fenced on lease expiry", registry=r)
         self.stage_forwards = Counter(
             PREFIX + "stage_forwards", "Stage forwards answered, by whether they ran", ["outcome"], registry=r
@@ -184,8 +189,10 @@ class _EngineCollector:
         stats = daemon.sched_stats()
         yield _gauge("lanes_running", "Lanes decoding now", stats.lanes_active)
         yield _gauge("lanes_max", "Lanes this node runs at once (--max-batch)", self.metrics.max_lanes)
-        queued = GaugeMetricFamily(PREFIX + "generations_queued", "Generations waiting for a lane, by QoS class", labels=["qos_class"])
-        for name, depth in zip(QOS_NAMES, stats.queue_depth):
+        queued = GaugeMetricFamily(
+            PREFIX + "generations_queued", "Generations waiting for a lane, by QoS class", labels=["qos_class"]
+        )
+        for name, depth in zip(QOS_NAMES, stats.queue_depth, strict=True):
             queued.add_metric([name], depth)
         yield queued
         yield _gauge("kv_blocks_used", "KV pool blocks in use (16 tokens each)", stats.pool_blocks_used)

@@ -3,8 +3,9 @@ dequantized, renamed and reordered into the Hugging Face layout `LlamaModel.from
 
 The header is read by `nodeagent.gguf_header`, the tensors dequantized by the `gguf` package
 (every type it knows); each tensor is copied out of the file's memory map as it is converted,
-so once loading ends nothing stays mapped. llama.cpp stores Llama's q/k rows permuted for its rotary kernel; they are put back in
-Hugging Face's order here so one code path builds every model.
+so once loading ends nothing stays mapped. llama.cpp stores Llama's q/k rows permuted for its
+rotary kernel; they are put back in Hugging Face's order here so one code path builds every
+model.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class GGUFSource:
 
     def close(self) -> None:
         self._tensors.clear()
-        self._map = None
+        del self._map
         self._progress.done()
 
 
