@@ -44,7 +44,10 @@ def make(tensors):
         daemon.close()
 
 
-def run(daemon, prompt, max_tokens, params=GenParams(), qos=0, on_tokens=None):
+GREEDY = GenParams()
+
+
+def run(daemon, prompt, max_tokens, params=GREEDY, qos=0, on_tokens=None):
     return daemon.generate_tokens_streaming(
         list(prompt), params, max_tokens, 0, GenExtras(qos_class=qos), on_tokens or (lambda b: True)
     )

@@ -20,6 +20,7 @@ Run: .venv/bin/python -m pip install transformers && .venv/bin/python tests/benc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import subprocess
@@ -168,6 +169,11 @@ TTFT_TARGET = 5.0
 RSS_WEIGHT_FACTOR, RSS_SLACK_MB = 1.2, 32
 
 
+def arrived(arrivals: list[float], batch: list[int]) -> bool:
+    arrivals.append(time.perf_counter())
+    return True
+
+
 def chat_ttft(prefix_cache: bool) -> list[float]:
     """Seconds to the first token of each turn of the chat, one session on a fresh engine."""
     daemon = TorchDaemon(
@@ -177,13 +183,12 @@ def chat_ttft(prefix_cache: bool) -> list[float]:
     ttfts = []
     for turn, length in enumerate(CHAT_TURNS):
         context += prompt(length, salt=1000 * turn)
-        first: list[float] = []
+        arrivals: list[float] = []
         started = time.perf_counter()
         result = daemon.generate_tokens_streaming(
-            context, GenParams(), CHAT_REPLY, 0, GenExtras(),
-            lambda b: first.append(time.perf_counter()) or True,
+            context, GenParams(), CHAT_REPLY, 0, GenExtras(), functools.partial(arrived, arrivals)
         )
-        ttfts.append(first[0] - started)
+        ttfts.append(arrivals[0] - started)
         context += result.tokens
     daemon.close()
     return ttfts
@@ -193,12 +198,12 @@ def chat() -> list[str]:
     """Each mode twice on fresh engines, the better time per turn (the first token of one turn
     is a single measurement, so one slow moment on a shared machine would decide it)."""
     runs = {cache: [chat_ttft(cache) for _ in range(2)] for cache in (True, False)}
-    on, off = ([min(turn) for turn in zip(*runs[cache])] for cache in (True, False))
-    ratios = [b / a for a, b in zip(on, off)]
+    on, off = ([min(turn) for turn in zip(*runs[cache], strict=True)] for cache in (True, False))
+    ratios = [b / a for a, b in zip(on, off, strict=True)]
     total = sum(CHAT_TURNS) + CHAT_REPLY * (len(CHAT_TURNS) - 1)
     print(f"\n== prefix reuse: a {len(CHAT_TURNS)}-turn chat of ~{total} tokens on builtin, time to first token")
     print("  turn   cache on    cache off    off / on")
-    for turn, (a, b, r) in enumerate(zip(on, off, ratios), 1):
+    for turn, (a, b, r) in enumerate(zip(on, off, ratios, strict=True), 1):
         print(f"  {turn:4}   {a * 1e3:7.1f} ms  {b * 1e3:8.1f} ms   {r:6.1f}×")
     worst = min(ratios[1:])
     print(f"  from turn 2 on, at least {worst:.1f}× faster   (target ≥ {TTFT_TARGET:.0f})")
@@ -246,7 +251,8 @@ def memory() -> list[str]:
     print("\n== idle memory of superfluid-noded --model builtin (fp32, 256 MB KV budget)")
     print(f"  bare `import torch`                {bare:7.0f} MB")
     print(f"  weights                            {weights_mb:7.0f} MB")
-    print(f"  serving, idle                      {node:7.0f} MB   (target ≤ {limit:.0f} = bare + {RSS_WEIGHT_FACTOR} × weights + {RSS_SLACK_MB})")
+    rule = f"bare + {RSS_WEIGHT_FACTOR} × weights + {RSS_SLACK_MB}"
+    print(f"  serving, idle                      {node:7.0f} MB   (target ≤ {limit:.0f} = {rule})")
     return [] if node <= limit else ["idle RSS of --model builtin within bare torch + 1.2 × weights + 32 MB"]
 
 

@@ -57,9 +57,12 @@ def generate(daemon: TorchDaemon, tokens: list[int], n: int) -> list[int]:
     return daemon.generate_tokens_streaming(tokens, GenParams(), n, 0, GenExtras(), lambda b: True).tokens
 
 
-def in_lanes(daemon: TorchDaemon, lanes: int, length: int, n: int) -> float:
-    """Seconds for `lanes` concurrent generations of `n` tokens after `length`-token prompts."""
-    threads = [threading.Thread(target=generate, args=(daemon, prompt(length, i), n)) for i in range(lanes)]
+def in_lanes(daemon: TorchDaemon, lanes: int, length: int, n: int, salt: int = 0) -> float:
+    """Seconds for `lanes` concurrent generations of `n` tokens after `length`-token prompts
+    (prompts `salt`.. `salt + lanes - 1`: new salts keep the prefix cache out of a figure)."""
+    threads = [
+        threading.Thread(target=generate, args=(daemon, prompt(length, salt + i), n)) for i in range(lanes)
+    ]
     started = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -89,13 +92,18 @@ def agreement(device: str) -> list[Row]:
             reference = generate(fp32, start, AGREEMENT_TOKENS)
             agreeing += teacher_forced_agreement(bf16, start, reference)
             free_running = generate(bf16, start, AGREEMENT_TOKENS)
-            leading.append(next((i for i, (a, b) in enumerate(zip(reference, free_running)) if a != b), len(reference)))
+            leading.append(equal_prefix(reference, free_running))
     finally:
         fp32.close()
         bf16.close()
     share = agreeing / (AGREEMENT_PROMPTS * AGREEMENT_TOKENS)
     return [
-        Row(f"bf16 argmax = fp32 token, {AGREEMENT_TOKENS} tokens x {AGREEMENT_PROMPTS}", f"{share:.1%}", f">= {AGREEMENT_TARGET:.0%}", share >= AGREEMENT_TARGET),
+        Row(
+            f"bf16 argmax = fp32 token, {AGREEMENT_TOKENS} tokens x {AGREEMENT_PROMPTS}",
+            f"{share:.1%}",
+            f">= {AGREEMENT_TARGET:.0%}",
+            share >= AGREEMENT_TARGET,
+        ),
         Row("bf16 free-running tokens equal to fp32's", ", ".join(map(str, leading))),
     ]
 
@@ -106,18 +114,24 @@ def teacher_forced_agreement(daemon: TorchDaemon, start: list[int], tokens: list
     with torch.inference_mode():
         x = model.run_causal(model.embed(ids), 0, model.config.n_layers)
         predicted = model.logits(x[0, len(start) - 1 :]).argmax(-1).tolist()
-    return sum(p == t for p, t in zip(predicted, tokens))
+    return sum(p == t for p, t in zip(predicted, tokens, strict=True))
+
+
+def equal_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def kv_budget(device: str) -> list[Row]:
     """The default pool: on CUDA a share of the memory free once the weights are in (at least
     half of what was free before the load, and no more than it); on CPU the fixed budget."""
     dev = torch.device(device)
+    release_cached(dev)
     free_before = free_bytes(dev)
     daemon = open_daemon(device, "auto", None)
     try:
-        pool = daemon._scheduler.pool
-        pool_bytes = pool.kv.numel() * pool.kv.element_size()
+        kv = daemon._scheduler.pool.kv
+        pool_blocks, pool_bytes = daemon._scheduler.pool.total, kv.numel() * kv.element_size()
+        del kv
         free_after = free_bytes(dev)
         fits = free_before is None or free_before / 2 <= pool_bytes <= free_before
         summary = daemon.summary()
@@ -125,12 +139,10 @@ def kv_budget(device: str) -> list[Row]:
     finally:
         daemon.close()
         del daemon
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        release_cached(dev)
     return [
         Row("free memory before load", gib(free_before)),
-        Row("KV pool (default budget)", f"{pool.total} blocks, {gib(pool_bytes)}", "1/2 to all of free", fits),
+        Row("KV pool (default budget)", f"{pool_blocks} blocks, {gib(pool_bytes)}", "1/2 to all of free", fits),
         Row("free memory with the pool", gib(free_after)),
         Row("a generation runs on it", "yes" if ran else "NO", "yes", ran),
         Row("summary", summary),
@@ -143,15 +155,25 @@ def throughput(device: str, sizes: Sizes) -> list[Row]:
     try:
         generate(daemon, prompt(64), 4)  # warm up kernels and allocator
         for lanes in (1, LANES):
-            prefill_s = in_lanes(daemon, lanes, sizes.prefill, 1)
+            prefill_s = in_lanes(daemon, lanes, sizes.prefill, 1, salt=1000 * lanes)
             one = in_lanes(daemon, lanes, 16, 1)
             many = in_lanes(daemon, lanes, 16, sizes.decode)
-            rows.append(Row(f"prefill, {lanes} lane(s) x {sizes.prefill} tokens", f"{lanes * sizes.prefill / prefill_s:,.0f} tok/s"))
-            rows.append(Row(f"decode, {lanes} lane(s) aggregate", f"{lanes * (sizes.decode - 1) / (many - one):,.0f} tok/s"))
+            prefill_rate = lanes * sizes.prefill / prefill_s
+            decode_rate = lanes * (sizes.decode - 1) / (many - one)
+            rows.append(Row(f"prefill, {lanes} lane(s) x {sizes.prefill} tokens", f"{prefill_rate:,.0f} tok/s"))
+            rows.append(Row(f"decode, {lanes} lane(s) aggregate", f"{decode_rate:,.0f} tok/s"))
         rows.append(Row("engine", daemon.summary()))
     finally:
         daemon.close()
     return rows
+
+
+def release_cached(device: torch.device) -> None:
+    """Give memory the closed engines left in torch's caching allocator back to the device, so
+    free memory means free."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -173,7 +195,8 @@ def main() -> int:
         return 0
     started = time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    rows = agreement(device) + kv_budget(device) + throughput(device, SIZES["cuda" if device.startswith("cuda") else "cpu"])
+    sizes = SIZES["cuda" if device.startswith("cuda") else "cpu"]
+    rows = agreement(device) + kv_budget(device) + throughput(device, sizes)
     print(f"gpu-check on {name}, torch {torch.__version__}")
     width = max(len(r.name) for r in rows)
     for row in rows:
@@ -181,7 +204,8 @@ def main() -> int:
         target = f"  (target {row.target})" if row.target else ""
         print(f"  {row.name:<{width}}  {row.value}{target}{mark}")
     failed = [r.name for r in rows if not r.ok]
-    print(f"took {time.perf_counter() - started:.0f} s; " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))
+    verdict = "all checks passed" if not failed else f"FAILED: {', '.join(failed)}"
+    print(f"took {time.perf_counter() - started:.0f} s; {verdict}")
     return 1 if failed else 0
 
 
