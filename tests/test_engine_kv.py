@@ -110,11 +110,26 @@ def test_a_higher_class_preempts_lower_class_lanes_for_its_blocks(make, tensors)
         thread.start()
     assert started.wait(10)
     assert wait_until(lambda: daemon.sched_stats().pool_blocks_used >= WORST_CASE_BLOCKS - 2, 30)
+    victims = preempted_classes(daemon)
     chat = run(daemon, PROMPTS[2], LONG, qos=0)
+    during_chat = list(victims)
     for thread in threads:
         thread.join(60)
     assert all_reference_greedy(tensors, [PROMPTS[2], *PROMPTS[4:6]], [chat, *background])
-    assert daemon._scheduler.preemptions > 0
+    assert during_chat and set(during_chat) == {3}, "only the class-3 lanes give way to the chat"
+
+
+def preempted_classes(daemon) -> list[int]:
+    """Records the QoS class of every generation the scheduler preempts from now on."""
+    classes: list[int] = []
+    preempt = daemon._scheduler._preempt
+
+    def spy(gen):
+        classes.append(gen.qos)
+        preempt(gen)
+
+    daemon._scheduler._preempt = spy
+    return classes
 
 
 def conversation(daemon, turns: list[list[int]], reply_tokens: int) -> list[list[int]]:
