@@ -188,7 +188,8 @@ class Work:
 
 
 class NodeAgent:
-    """One node's agent; `connection()` makes the twin that serves one more connection."""
+    """One node's agent: its daemon, its settings and the state every connection shares;
+    `connection()` makes what serves one connection."""
 
     def __init__(self, daemon: Daemon, identity: str, model_name: str, *, shared: AgentShared | None = None):
         self.daemon = daemon
@@ -202,12 +203,6 @@ class NodeAgent:
         self.auth = b""
         self.max_lanes = 0
         self.observer = NodeObserver()
-        self.last_status_ms = 0
-        self.conn = next(_connections)
-        #: When (ms) this connection last asked for each lease not granted yet.
-        self.asked: dict[int, int] = {}
-        #: When (ms) the leases need looking at next; 0 after a frame that changed one.
-        self.lease_due_ms = 0
 
     def with_max_lanes(self, lanes: int) -> NodeAgent:
         self.max_lanes = lanes
@@ -235,17 +230,10 @@ class NodeAgent:
         self.observer = observer
         return self
 
-    def connection(self) -> NodeAgent:
-        """A twin over the same daemon and shared state, with fresh status and renewal clocks."""
-        twin = NodeAgent(self.daemon, self.identity, self.model_name, shared=self.shared)
-        twin.start = self.start
-        twin.handshake_timeout = self.handshake_timeout
-        twin.idle_timeout = self.idle_timeout
-        twin.write_timeout = self.write_timeout
-        twin.auth = self.auth
-        twin.max_lanes = self.max_lanes
-        twin.observer = self.observer
-        return twin
+    def connection(self) -> Connection:
+        """What serves one more connection: the seed made a twin of the whole agent with fresh
+        status and renewal clocks; here the node-wide part stays in this agent, shared."""
+        return Connection(self)
 
     def running_generations(self) -> int:
         return self.shared.running_generations()
@@ -262,6 +250,16 @@ class NodeAgent:
 
     def now_ms(self) -> int:
         return int((time.monotonic() - self.start) * 1000)
+
+    def fence(self, now: int) -> None:
+        """Fences every session whose lease ran out, dropping its context, params and owner."""
+        sh = self.shared
+        with sh.lock:
+            for action in sh.agent.poll(now):
+                if isinstance(action, SelfFence):
+                    log.warning("node-agent self-fenced on lease expiry", extra=_fields(session_id=action.session_id))
+                    sh.forget(action.session_id)
+                    self.observer.session_fenced(action.session_id)
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -291,27 +289,6 @@ class NodeAgent:
             sampled_at_ms=load.sampled_at_ms,
         )
 
-    def send_status(self, endpoint: Endpoint) -> None:
-        capacity = self.capacity()
-        msg = NodeStatusMsg(
-            capacity=capacity,
-            loadable_models=[self.model_name],
-            mem=MemCountersMsg(
-                allocated_bytes=0,
-                host_retained_bytes=0,
-                pool_blocks_total=capacity.kv_blocks_total,
-                pool_blocks_used=capacity.kv_blocks_used,
-                pool_bytes_evictable=0,
-                tentative_bytes=0,
-            ),
-        )
-        # A status that does not leave is no loss; a dead link shows at the next pump.
-        try:
-            endpoint.send(msg_type.NODE_STATUS, msg)
-        except LinkFError:
-            pass
-        self.last_status_ms = self.now_ms()
-
     def ackf(self) -> HelloAckF:
         return HelloAckF(
             chosen_version=PROTO_VERSION,
@@ -327,7 +304,19 @@ class NodeAgent:
             ),
         )
 
-    # ---- the connection -------------------------------------------------------------------
+
+class Connection:
+    """One connection's serve loop: the seed's per-connection twin of `NodeAgent`, holding what
+    is the connection's own (its status and renewal clocks) beside the node it serves."""
+
+    def __init__(self, node: NodeAgent) -> None:
+        self.node = node
+        self.conn = next(_connections)
+        self.last_status_ms = 0
+        #: When (ms) this connection last asked for each lease not granted yet.
+        self.asked: dict[int, int] = {}
+        #: When (ms) the leases need looking at next; 0 after a frame that changed one.
+        self.lease_due_ms = 0
 
     def serve(self, endpoint: Endpoint, on_hello: Callable[[], None] | None = None) -> None:
         """Serves one head until it leaves; raises the error (LinkFError or DaemonError) that
@@ -335,25 +324,46 @@ class NodeAgent:
         closes the endpoint, as dropping them did in the seed. `on_hello` runs once the head's
         HELLO is answered: the node's admission counts the connection as a handshake until then."""
         work = Work()
-        endpoint.write_timeout(self.write_timeout or None)
+        endpoint.write_timeout(self.node.write_timeout or None)
         try:
             try:
-                endpoint.answer_hello_as_agent(self.ackf(), self.auth, self.handshake_timeout or None)
+                endpoint.answer_hello_as_agent(self.node.ackf(), self.node.auth, self.node.handshake_timeout or None)
             except TimedOut:
                 log.warning("node-agent dropped a silent connection (no Hello)")
                 return
             if on_hello is not None:
                 on_hello()
-            if self.idle_timeout:
-                heartbeat = min(DEFAULT_LIVENESS.heartbeat, self.idle_timeout / 3)
+            if self.node.idle_timeout:
+                heartbeat = min(DEFAULT_LIVENESS.heartbeat, self.node.idle_timeout / 3)
             else:
                 heartbeat = DEFAULT_LIVENESS.heartbeat
-            endpoint.keep_alive(Liveness(heartbeat=heartbeat, silence=self.idle_timeout))
+            endpoint.keep_alive(Liveness(heartbeat=heartbeat, silence=self.node.idle_timeout))
             self.serve_link(endpoint, work)
         finally:
             self.drop_generation(work)
             work.close(endpoint)
             endpoint.close()
+
+    def send_status(self, endpoint: Endpoint) -> None:
+        capacity = self.node.capacity()
+        msg = NodeStatusMsg(
+            capacity=capacity,
+            loadable_models=[self.node.model_name],
+            mem=MemCountersMsg(
+                allocated_bytes=0,
+                host_retained_bytes=0,
+                pool_blocks_total=capacity.kv_blocks_total,
+                pool_blocks_used=capacity.kv_blocks_used,
+                pool_bytes_evictable=0,
+                tentative_bytes=0,
+            ),
+        )
+        # A status that does not leave is no loss; a dead link shows at the next pump.
+        try:
+            endpoint.send(msg_type.NODE_STATUS, msg)
+        except LinkFError:
+            pass
+        self.last_status_ms = self.node.now_ms()
 
     def serve_link(self, endpoint: Endpoint, work: Work) -> None:
         try:
@@ -365,7 +375,7 @@ class NodeAgent:
             if endpoint.broken is not None or _stalled(work):
                 log.warning(
                     "node-agent dropped a connection the head stopped reading",
-                    extra=_fields(write_timeout_s=self.write_timeout),
+                    extra=_fields(write_timeout_s=self.node.write_timeout),
                 )
             else:
                 log.warning(
@@ -375,7 +385,7 @@ class NodeAgent:
 
     def serve_pass(self, endpoint: Endpoint, work: Work) -> bool:
         """One pass of the seed's cycle; False once the connection should end."""
-        now = self.now_ms()
+        now = self.node.now_ms()
         self.tend_leases(endpoint, now)
         if now >= self.last_status_ms + STATUS_INTERVAL_MS:
             self.send_status(endpoint)
@@ -388,13 +398,13 @@ class NodeAgent:
         for frame in endpoint.pump(self.sleep_s(endpoint, work, now)):
             self.handle(endpoint, frame, work)
         run = work.generation
-        if run is not None and run.stalled_since is not None and self.write_timeout:
-            if self.now_ms() - run.stalled_since >= self.write_timeout * 1000:
+        if run is not None and run.stalled_since is not None and self.node.write_timeout:
+            if self.node.now_ms() - run.stalled_since >= self.node.write_timeout * 1000:
                 raise TimedOut("the head acknowledged nothing", peer=endpoint.peer)
         # A version-2 head sends nothing while it waits on a generation, so only a
         # connection with nothing running can be idle.
-        if endpoint.version() < 3 and not work.busy() and self.idle_timeout:
-            if endpoint.quiet_for() >= self.idle_timeout:
+        if endpoint.version() < 3 and not work.busy() and self.node.idle_timeout:
+            if endpoint.quiet_for() >= self.node.idle_timeout:
                 log.info("node-agent dropped an idle connection")
                 return False
         return True
@@ -406,20 +416,20 @@ class NodeAgent:
         if run is not None and run.stalled_since is None and run.out.ready():
             return 0.0
         due = [self.last_status_ms + STATUS_INTERVAL_MS, self.lease_due_ms]
-        if run is not None and run.stalled_since is not None and self.write_timeout:
-            due.append(run.stalled_since + int(self.write_timeout * 1000))
-        if endpoint.version() < 3 and not work.busy() and self.idle_timeout:
-            due.append(now + int((self.idle_timeout - endpoint.quiet_for()) * 1000))
-        return max(min(due) - self.now_ms(), 0) / 1000
+        if run is not None and run.stalled_since is not None and self.node.write_timeout:
+            due.append(run.stalled_since + int(self.node.write_timeout * 1000))
+        if endpoint.version() < 3 and not work.busy() and self.node.idle_timeout:
+            due.append(now + int((self.node.idle_timeout - endpoint.quiet_for()) * 1000))
+        return max(min(due) - self.node.now_ms(), 0) / 1000
 
     def tend_leases(self, endpoint: Endpoint, now: int) -> None:
         """Renews and fences once a lease deadline has come, and works out the next one."""
         if now < self.lease_due_ms:
             return
         awaiting_grant = self.renew(endpoint, now)
-        self.fence(now)
-        with self.shared.lock:
-            due = self.shared.agent.next_deadline(now)
+        self.node.fence(now)
+        with self.node.shared.lock:
+            due = self.node.shared.agent.next_deadline(now)
         retry = now + int(RENEW_RETRY * 1000) if awaiting_grant else None
         self.lease_due_ms = min((t for t in (due, retry) if t is not None), default=now + STATUS_INTERVAL_MS)
 
@@ -427,7 +437,7 @@ class NodeAgent:
         """Asks the head to renew the leases of the sessions placed over this connection, the
         only one where it answers them; asks again each `RENEW_RETRY` until a grant comes.
         True while a renewal awaits its grant."""
-        sh = self.shared
+        sh = self.node.shared
         with sh.lock:
             due = [r for r in sh.agent.needs_renew(now) if sh.owners.get(r.session_id) == self.conn]
         for renewal in due:
@@ -438,16 +448,6 @@ class NodeAgent:
             self.asked[renewal.session_id] = now
         return bool(due)
 
-    def fence(self, now: int) -> None:
-        """Fences every session whose lease ran out, dropping its context, params and owner."""
-        sh = self.shared
-        with sh.lock:
-            for action in sh.agent.poll(now):
-                if isinstance(action, SelfFence):
-                    log.warning("node-agent self-fenced on lease expiry", extra=_fields(session_id=action.session_id))
-                    sh.forget(action.session_id)
-                    self.observer.session_fenced(action.session_id)
-
     def handle(self, endpoint: Endpoint, frame: Frame, work: Work) -> None:
         """Acts on one frame from the head; every type without a handler below is ignored."""
         handler = self._handlers.get(frame.msg_type)
@@ -457,9 +457,9 @@ class NodeAgent:
             self.lease_due_ms = 0
 
     def on_reconcile(self, endpoint: Endpoint, m, work: Work) -> None:
-        sh = self.shared
+        sh = self.node.shared
         with sh.lock:
-            ack, retransmissions = sh.agent.on_reconcile(m, self.now_ms())
+            ack, retransmissions = sh.agent.on_reconcile(m, self.node.now_ms())
             for s in ack.sessions:
                 if s.held:
                     sh.owners[s.session_id] = self.conn
@@ -468,24 +468,24 @@ class NodeAgent:
             endpoint.send(msg_type.TOKEN_EVENTS, batch)
 
     def on_assign(self, endpoint: Endpoint, m, work: Work) -> None:
-        sh = self.shared
+        sh = self.node.shared
         with sh.lock:
-            if sh.agent.on_assign(m, self.now_ms()):
+            if sh.agent.on_assign(m, self.node.now_ms()):
                 sh.params[m.session_id] = decode_params(m.params)
                 sh.owners[m.session_id] = self.conn
                 self.asked.pop(m.session_id, None)
-                self.observer.session_assigned(m.session_id, m.epoch)
+                self.node.observer.session_assigned(m.session_id, m.epoch)
 
     def on_revoke(self, endpoint: Endpoint, m, work: Work) -> None:
-        sh = self.shared
+        sh = self.node.shared
         with sh.lock:
             if sh.agent.on_revoke(m):
                 sh.forget(m.session_id)
                 self.asked.pop(m.session_id, None)
-                self.observer.session_revoked(m.session_id)
+                self.node.observer.session_revoked(m.session_id)
 
     def on_append(self, endpoint: Endpoint, m, work: Work) -> None:
-        sh = self.shared
+        sh = self.node.shared
         with sh.lock:
             if sh.agent.on_append(m.session_id, m.epoch, m.command_id):
                 try:
@@ -497,8 +497,8 @@ class NodeAgent:
         # With a generation already running the request is declined before the session sees
         # it, so its command stays unconsumed.
         if work.generation is None:
-            with self.shared.lock:
-                accepted = self.shared.agent.on_generate(m)
+            with self.node.shared.lock:
+                accepted = self.node.shared.agent.on_generate(m)
         else:
             accepted = False
         if accepted:
@@ -517,7 +517,7 @@ class NodeAgent:
             payload=TokenEventPayload.Finish(reason=finish.DECLINED),
         )
         endpoint.send(msg_type.TOKEN_EVENTS, TokenEventsMsg(events=[declined]))
-        self.observer.generation_declined(m.session_id, m.generation_id)
+        self.node.observer.generation_declined(m.session_id, m.generation_id)
 
     def on_cancel(self, endpoint: Endpoint, m, work: Work) -> None:
         run = work.generation
@@ -535,12 +535,12 @@ class NodeAgent:
             endpoint.send(msg_type.STAGE_FORWARD_RESP, busy)
 
     def on_watermark_ack(self, endpoint: Endpoint, m, work: Work) -> None:
-        with self.shared.lock:
-            self.shared.agent.on_watermark_ack(m)
+        with self.node.shared.lock:
+            self.node.shared.agent.on_watermark_ack(m)
 
     def on_lease_grant(self, endpoint: Endpoint, m, work: Work) -> None:
-        with self.shared.lock:
-            self.shared.agent.on_lease_grant(m, self.now_ms())
+        with self.node.shared.lock:
+            self.node.shared.agent.on_lease_grant(m, self.node.now_ms())
         self.asked.pop(m.session_id, None)
 
     _handlers: dict[int, Callable[..., None]] = {
@@ -562,7 +562,7 @@ class NodeAgent:
         not leave the connection unread."""
         answer: queue.Queue = queue.Queue(maxsize=1)
         threading.Thread(
-            target=_run_stage, args=(self.daemon, m, answer, waker), name="node-stage", daemon=True
+            target=_run_stage, args=(self.node.daemon, m, answer, waker), name="node-stage", daemon=True
         ).start()
         return answer
 
@@ -575,12 +575,12 @@ class NodeAgent:
             return
         work.stage = None
         endpoint.send(msg_type.STAGE_FORWARD_RESP, resp)
-        self.observer.stage_forwarded(resp.hidden is not None or resp.token is not None)
+        self.node.observer.stage_forwarded(resp.hidden is not None or resp.token is not None)
 
     def start_generation(self, req: GenerateReqMsg, waker: Waker) -> Running:
         """Starts `req` on a thread of its own, so this connection goes on reading the head and
         sending status while it runs."""
-        sh = self.shared
+        sh = self.node.shared
         with sh.lock:
             context = list(sh.contexts.get(req.session_id, ()))
             params = sh.params.get(req.session_id, GenParams())
@@ -591,7 +591,7 @@ class NodeAgent:
             max_new=min(req.budgets.max_new_tokens, U32_MAX),
             cancel=cancel,
             out=Outbox(waker, cancel),
-            watch=self.observer.generation_started(req.session_id, req.generation_id, len(context)),
+            watch=self.node.observer.generation_started(req.session_id, req.generation_id, len(context)),
         )
         job = GenerationJob(context, params, run.max_new, req.budgets.max_wall_ms, cancel, run.out)
         with sh.lock:
@@ -602,7 +602,7 @@ class NodeAgent:
                 run.stop()
         try:
             threading.Thread(
-                target=_run_generation, args=(self.daemon, sh, job), name="node-generation", daemon=True
+                target=_run_generation, args=(self.node.daemon, sh, job), name="node-generation", daemon=True
             ).start()
         except RuntimeError as e:  # no thread to be had: the counters must not keep it
             with sh.lock:
@@ -618,21 +618,21 @@ class NodeAgent:
         work.generation.stop()
         work.generation.out.release()
         work.generation.watch.dropped()
-        with self.shared.lock:
-            del self.shared.running[id(work.generation)]
+        with self.node.shared.lock:
+            del self.node.shared.running[id(work.generation)]
         work.generation = None
 
     def forward(self, endpoint: Endpoint, run: Running) -> bool:
         """Sends what `run` produced since the last pass, at most `EVENT_TOKENS_MAX` tokens, and
         its finish once it ends; takes nothing while the head's unacknowledged events fill the
         window. True once it has ended, or its session was fenced and it goes silent."""
-        sh = self.shared
+        sh = self.node.shared
         with sh.lock:
             unacked = sh.agent.unacked(run.session_id, run.generation_id)
         room = min(EVENT_TOKENS_MAX, UNACKED_TOKENS_MAX - unacked.tokens)
         if room <= 0 or unacked.events >= UNACKED_EVENTS_MAX:
             if run.stalled_since is None:
-                run.stalled_since = self.now_ms()
+                run.stalled_since = self.node.now_ms()
             return False
         run.stalled_since = None
         tokens, done = run.out.take(room)
@@ -677,8 +677,9 @@ class NodeAgent:
     def flush(self, endpoint: Endpoint, run: Running, tokens: list[int]) -> bool:
         """Sends `tokens` as `run`'s next event; False when its session is fenced, which sends
         nothing."""
-        with self.shared.lock:
-            batch = self.shared.agent.emit(run.session_id, run.generation_id, TokenEventPayload.Tokens(tokens=tokens))
+        payload = TokenEventPayload.Tokens(tokens=tokens)
+        with self.node.shared.lock:
+            batch = self.node.shared.agent.emit(run.session_id, run.generation_id, payload)
         if batch is None:
             return False
         endpoint.send(msg_type.TOKEN_EVENTS, batch)

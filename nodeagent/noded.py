@@ -27,7 +27,7 @@ from linkf.errors import Closed, LinkFError, Unauthorized
 from linkf.secure import NoiseRole
 from linkf.transcript import NODE, Recorder
 from nodeagent.admission import Admission, Entry, Limits
-from nodeagent.agent import NodeAgent
+from nodeagent.agent import Connection, NodeAgent
 from nodeagent.cli import (
     Options,
     bind,
@@ -156,14 +156,14 @@ class Node:
             say(f"closed the connection from {peer}: cannot start its thread: {e}")
             time.sleep(POLL_S)
 
-    def _serve_connection(self, ticket: int, conn: NodeAgent, sock: socket.socket, peer: str) -> None:
+    def _serve_connection(self, ticket: int, conn: Connection, sock: socket.socket, peer: str) -> None:
         try:
             self._serve_admitted(ticket, conn, sock, peer)
         finally:
             self.admission.release(ticket)
             sock.close()
 
-    def _serve_admitted(self, ticket: int, conn: NodeAgent, sock: socket.socket, peer: str) -> None:
+    def _serve_admitted(self, ticket: int, conn: Connection, sock: socket.socket, peer: str) -> None:
         try:
             if not self._speaks(sock):
                 log.warning(f"dropped a connection from {peer}: it sent nothing in {FIRST_BYTE_S:g} s")

@@ -17,7 +17,7 @@ from conformance.head import FleetHead
 from conformance.reference import mock_tokens
 from nodeagent import agent as node_agent
 from nodeagent import finish
-from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, NodeAgent
+from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, Connection
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.params import GenParams
 from proto.linkf import TokenEventPayload
@@ -129,13 +129,13 @@ def test_each_token_of_a_slow_engine_leaves_at_once(start_node):
 
 def test_idle_connections_sleep_until_their_next_deadline(start_node, monkeypatch):
     passes = {"n": 0}
-    real = NodeAgent.serve_pass
+    real = Connection.serve_pass
 
     def counted(self, endpoint, work):
         passes["n"] += 1
         return real(self, endpoint, work)
 
-    monkeypatch.setattr(NodeAgent, "serve_pass", counted)
+    monkeypatch.setattr(Connection, "serve_pass", counted)
     node = start_node()
     heads = [FleetHead.connect(node.addr, heartbeat=60.0) for _ in range(10)]
     try:
