@@ -3,6 +3,7 @@ dropped callback; QoS queues; seeded sampling; counters; a failing step; close."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from types import SimpleNamespace
@@ -350,3 +351,30 @@ def test_a_queued_generation_leaves_its_queue_at_once_when_its_caller_cancels(ma
     assert first().finish == finish.LENGTH and len(first().tokens) == 8, "the running one went on untouched"
     assert wait_until(lambda: pool_empty(daemon))
 
+
+
+def test_a_lane_whose_caller_stops_taking_tokens_stops_decoding_while_others_go_on():
+    """The agent's worker blocks in `on_tokens` while its head is not reading: the lane holds
+    back once `BACKLOG_TOKENS` wait untaken, instead of decoding its whole budget into memory,
+    and the other lanes keep their pace."""
+    from nodeagent.engine.scheduler import BACKLOG_TOKENS
+
+    config = dataclasses.replace(TINY, max_position_embeddings=1024)
+    daemon = TorchDaemon(random_model(config, seed=5, std=0.1), "tiny", max_batch=2, kv_blocks=256)
+    release = threading.Event()
+
+    def stuck(batch):
+        release.wait(30)
+        return True
+
+    held = background(lambda: run(daemon, prompt=(7, 8), max_tokens=600, on_tokens=stuck), 60)
+    other = run(daemon, prompt=(1, 2, 3), max_tokens=BACKLOG_TOKENS + 100)
+    assert len(other.tokens) == BACKLOG_TOKENS + 100, "the other lane ran its whole budget meanwhile"
+    decoded = daemon.sched_stats().decode_tokens
+    assert decoded - len(other.tokens) <= BACKLOG_TOKENS + 2, "the held lane stopped at its backlog"
+    release.set()
+    try:
+        assert len(held().tokens) == 600, "and went on to the end once its caller took tokens again"
+        assert wait_until(lambda: pool_empty(daemon), 5)
+    finally:
+        daemon.close()

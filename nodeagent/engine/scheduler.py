@@ -43,6 +43,11 @@ NOT_ADMITTED = sys.maxsize
 
 #: Messages on `Generation.out`: ("token", id), ("done", finish code), ("error", message).
 TOKEN, END, ERROR = "token", "done", "error"
+#: Tokens a generation's caller may leave untaken before its lane stops decoding: a head that
+#: stops reading holds the lane (until its connection is dropped) but no growing memory.
+BACKLOG_TOKENS = 256
+#: How long the scheduler waits when every running lane is held back by its caller.
+IDLE_WAIT_S = 0.005
 
 
 class Generation:
@@ -106,6 +111,10 @@ class Generation:
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+    def held_back(self) -> bool:
+        """Its caller has left `BACKLOG_TOKENS` tokens untaken: decoding more only piles up."""
+        return self.out.qsize() >= BACKLOG_TOKENS
 
 
 class Scheduler:
@@ -202,9 +211,12 @@ class Scheduler:
         prefill = self._pick_prefill([g for g in self._running() if g.prefilling])
         if prefill:
             self._guarded([g for g, _ in prefill], lambda: self._prefill_step(prefill))
-        decode = self._grow([g for g in self._running() if not g.prefilling])
+        decode = self._grow([g for g in self._running() if not g.prefilling and not g.held_back()])
         if decode:
             self._guarded(decode, lambda: self._decode_step(decode))
+        if not prefill and not decode:
+            with self._cond:  # every lane is held back by its caller: wait, do not spin
+                self._cond.wait(IDLE_WAIT_S)
 
     def _running(self) -> list[Generation]:
         return [g for g in self._lanes if g is not None]
