@@ -212,6 +212,11 @@ class Endpoint:
             payload = b"" if msg is None else postcard.to_bytes(msg)
         except postcard.PostcardError as e:
             raise Payload(f"cannot encode 0x{msg_type_:04x}: {e}", peer=self.peer) from e
+        self.send_payload(msg_type_, payload)
+
+    def send_payload(self, msg_type_: int, payload: bytes) -> None:
+        """Sends an already encoded payload as the next frame: for one message many links
+        send alike, encoded once."""
         frame = Frame(self.version(), msg_type_, self._seq, 0, FrameClass.for_type(msg_type_), payload)
         try:
             data = encode_frame(frame)

@@ -44,6 +44,7 @@ from nodeagent.load import U32_MAX, LoadMeter, LoadSample
 from nodeagent.observe import GenerationWatch, NodeObserver
 from nodeagent.outbox import Outbox
 from nodeagent.params import GenParams
+from proto import postcard
 from proto.envelope import MAX_FRAME, Frame
 from proto.handshake import CapacitySummary, HelloAckF
 from proto.linkf import (
@@ -74,6 +75,8 @@ DEFAULT_IDLE_TIMEOUT = 30.0
 DEFAULT_WRITE_TIMEOUT = 10.0
 
 STATUS_INTERVAL_MS = 2_000
+#: How long one encoded NODE_STATUS serves every connection (`NodeAgent.status_payload`).
+STATUS_SHARE_MS = 100
 #: Seconds after which a renewal the head left unanswered is asked for again.
 RENEW_RETRY = 1.0
 #: The most tokens one TOKEN_EVENTS carries, which bounds one pass's work. The seed waited for
@@ -98,6 +101,12 @@ _LEASE_TYPES = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class SharedStatus:
+    at_ms: int
+    payload: bytes
+
+
 @dataclass
 class AgentShared:
     """What every connection of one node shares; touch it only while holding `lock`."""
@@ -109,6 +118,8 @@ class AgentShared:
     contexts: dict[int, list[int]] = field(default_factory=dict)
     params: dict[int, GenParams] = field(default_factory=dict)
     load: LoadMeter = field(default_factory=LoadMeter)
+    #: The last NODE_STATUS encoded, which every connection sends for a while.
+    status: SharedStatus | None = None
     #: Generations some connection is running, until their Finish is sent or they are dropped;
     #: by `id`, so a drain can reach each one.
     running: dict[int, Running] = field(default_factory=dict)
@@ -289,6 +300,33 @@ class NodeAgent:
             sampled_at_ms=load.sampled_at_ms,
         )
 
+    def status_payload(self) -> bytes:
+        """NODE_STATUS as postcard bytes. Every connection sends the same node's status, so one
+        sample serves them all for `STATUS_SHARE_MS`: 300 connections cost one capacity sample
+        and one encoding each time, not 300."""
+        now = self.now_ms()
+        with self.shared.lock:
+            cached = self.shared.status
+            if cached is not None and now - cached.at_ms < STATUS_SHARE_MS:
+                return cached.payload
+        capacity = self.capacity()
+        msg = NodeStatusMsg(
+            capacity=capacity,
+            loadable_models=[self.model_name],
+            mem=MemCountersMsg(
+                allocated_bytes=0,
+                host_retained_bytes=0,
+                pool_blocks_total=capacity.kv_blocks_total,
+                pool_blocks_used=capacity.kv_blocks_used,
+                pool_bytes_evictable=0,
+                tentative_bytes=0,
+            ),
+        )
+        payload = postcard.to_bytes(msg)
+        with self.shared.lock:
+            self.shared.status = SharedStatus(now, payload)
+        return payload
+
     def ackf(self) -> HelloAckF:
         return HelloAckF(
             chosen_version=PROTO_VERSION,
@@ -315,8 +353,10 @@ class Connection:
         self.last_status_ms = 0
         #: When (ms) this connection last asked for each lease not granted yet.
         self.asked: dict[int, int] = {}
-        #: When (ms) the leases need looking at next; 0 after a frame that changed one.
-        self.lease_due_ms = 0
+        #: When (ms) the leases need looking at next; 0 after a frame that changed one; None
+        #: when no lease has a deadline: then they are looked at on every pass, which a status
+        #: brings at least every 2 s, and cost no wake of their own.
+        self.lease_due_ms: int | None = 0
 
     def serve(self, endpoint: Endpoint, on_hello: Callable[[], None] | None = None) -> None:
         """Serves one head until it leaves; raises the error (LinkFError or DaemonError) that
@@ -345,22 +385,9 @@ class Connection:
             endpoint.close()
 
     def send_status(self, endpoint: Endpoint) -> None:
-        capacity = self.node.capacity()
-        msg = NodeStatusMsg(
-            capacity=capacity,
-            loadable_models=[self.node.model_name],
-            mem=MemCountersMsg(
-                allocated_bytes=0,
-                host_retained_bytes=0,
-                pool_blocks_total=capacity.kv_blocks_total,
-                pool_blocks_used=capacity.kv_blocks_used,
-                pool_bytes_evictable=0,
-                tentative_bytes=0,
-            ),
-        )
         # A status that does not leave is no loss; a dead link shows at the next pump.
         try:
-            endpoint.send(msg_type.NODE_STATUS, msg)
+            endpoint.send_payload(msg_type.NODE_STATUS, self.node.status_payload())
         except LinkFError:
             pass
         self.last_status_ms = self.node.now_ms()
@@ -415,7 +442,9 @@ class Connection:
         run = work.generation
         if run is not None and run.stalled_since is None and run.out.ready():
             return 0.0
-        due = [self.last_status_ms + STATUS_INTERVAL_MS, self.lease_due_ms]
+        due = [self.last_status_ms + STATUS_INTERVAL_MS]
+        if self.lease_due_ms is not None:
+            due.append(self.lease_due_ms)
         if run is not None and run.stalled_since is not None and self.node.write_timeout:
             due.append(run.stalled_since + int(self.node.write_timeout * 1000))
         if endpoint.version() < 3 and not work.busy() and self.node.idle_timeout:
@@ -424,14 +453,14 @@ class Connection:
 
     def tend_leases(self, endpoint: Endpoint, now: int) -> None:
         """Renews and fences once a lease deadline has come, and works out the next one."""
-        if now < self.lease_due_ms:
+        if self.lease_due_ms is not None and now < self.lease_due_ms:
             return
         awaiting_grant = self.renew(endpoint, now)
         self.node.fence(now)
         with self.node.shared.lock:
             due = self.node.shared.agent.next_deadline(now)
         retry = now + int(RENEW_RETRY * 1000) if awaiting_grant else None
-        self.lease_due_ms = min((t for t in (due, retry) if t is not None), default=now + STATUS_INTERVAL_MS)
+        self.lease_due_ms = min((t for t in (due, retry) if t is not None), default=None)
 
     def renew(self, endpoint: Endpoint, now: int) -> bool:
         """Asks the head to renew the leases of the sessions placed over this connection, the

@@ -296,7 +296,7 @@ def idle_rows(home: Path) -> list[Row]:
     try:
         for _ in range(n):
             heads.append(FleetHead.connect(node.addr))
-        time.sleep(1.0)
+        time.sleep(3.0)  # past the burst of HELLOs and first statuses: idle is what is measured
         pid = node.proc.pid
         before, t = cpu_s(pid), time.monotonic()
         time.sleep(seconds)
