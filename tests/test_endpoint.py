@@ -2,11 +2,10 @@
 and Noise. Every blocking step has a timeout, so a bug fails instead of hanging."""
 
 import socket
-import threading
 import time
 
 import pytest
-from linkpairs import tcp_pair, unix_pair
+from linkpairs import ackf, frames_until, tcp_pair, unix_pair
 from polling import TIMEOUT, background
 
 from linkf import (
@@ -16,7 +15,6 @@ from linkf import (
     Io,
     LinkFError,
     Liveness,
-    NoiseRole,
     Payload,
     Protocol,
     TimedOut,
@@ -24,18 +22,8 @@ from linkf import (
 )
 from proto import postcard
 from proto.envelope import FrameClass
-from proto.handshake import CapacitySummary, Hello, HelloAckF, LinkFLimits, LinkRole
+from proto.handshake import Hello, LinkRole
 from proto.linkf import LeaseRenewMsg, TelemetryMsg, msg_type
-
-
-def ackf(identity="node"):
-    return HelloAckF(
-        chosen_version=0,
-        node_identity=identity,
-        capacity=CapacitySummary(max_context_tokens=4096),
-        loadable_models=["mock"],
-        limits=LinkFLimits(max_frame=16 << 20, transfer_window=8, max_transfer=1 << 26, transfer_budget=1 << 28),
-    )
 
 
 def handshake(head, node, versions=(2, 3), auth=b"", expected=b""):
@@ -43,17 +31,6 @@ def handshake(head, node, versions=(2, 3), auth=b"", expected=b""):
     ack = head.hello_as_head(auth, TIMEOUT, versions)
     served()
     return ack
-
-
-def frames_until(ep, wanted, seconds=TIMEOUT):
-    """Pumps ``ep`` until a frame of type ``wanted`` arrives; every frame seen, in order."""
-    deadline = time.monotonic() + seconds
-    seen = []
-    while time.monotonic() < deadline:
-        seen += ep.pump()
-        if any(f.msg_type == wanted for f in seen):
-            return seen
-    raise AssertionError(f"no 0x{wanted:04x} within {seconds} s; saw {[hex(f.msg_type) for f in seen]}")
 
 
 @pytest.mark.parametrize("make", [unix_pair, tcp_pair], ids=["unix", "tcp"])
@@ -295,113 +272,3 @@ def test_connect_tcp_to_nothing_is_an_error():
         addr = s.getsockname()
     with pytest.raises(Io):
         Endpoint.connect_tcp(f"{addr[0]}:{addr[1]}", TIMEOUT)
-
-
-# Noise
-
-
-def secure_node(listener, secret, serve=True, handshake_timeout=TIMEOUT):
-    """Accepts one connection as a Noise responder and answers its HELLO."""
-
-    def accept():
-        sock, _ = listener.accept()
-        node = Endpoint.from_tcp_secure(sock, secret, NoiseRole.Responder, handshake_timeout)
-        if serve:
-            node.answer_hello_as_agent(ackf("secure-node"), secret, TIMEOUT)
-        return node
-
-    return background(accept)
-
-
-def test_the_right_token_is_served_and_another_refused():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.settimeout(TIMEOUT)
-        addr = listener.getsockname()
-        node = secure_node(listener, b"token")
-        head = Endpoint.connect_tcp_secure(addr, b"token", TIMEOUT, TIMEOUT)
-        assert head.hello_as_head(b"token", TIMEOUT).node_identity == "secure-node"
-        node()
-
-        node = secure_node(listener, b"token")
-        with pytest.raises(Closed):
-            Endpoint.connect_tcp_secure(addr, b"other", TIMEOUT, TIMEOUT)
-        with pytest.raises(Unauthorized) as err:
-            node()
-        assert "127.0.0.1:" in str(err.value)
-
-
-def tcp_relay(target):
-    """A loopback listener that forwards to ``target`` and keeps every byte it carries."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(TIMEOUT)
-    wire = bytearray()
-
-    def copy(src, dst):
-        src.settimeout(TIMEOUT)
-        try:
-            while data := src.recv(1 << 16):
-                wire.extend(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-    def serve():
-        with listener:
-            inside, _ = listener.accept()
-        outside = socket.create_connection(target, TIMEOUT)
-        for src, dst in ((inside, outside), (outside, inside)):
-            threading.Thread(target=copy, args=(src, dst), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return listener.getsockname(), wire
-
-
-def test_the_plaintext_never_crosses_the_wire_and_a_1mib_frame_does_intact():
-    marker = b"PLAINTEXT-MARKER-7f3a"
-    big = bytes((i * 7919) % 256 for i in range(1 << 20))
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.settimeout(TIMEOUT)
-        node = secure_node(listener, b"token")
-        addr, wire = tcp_relay(listener.getsockname())
-        head = Endpoint.connect_tcp_secure(addr, b"token", TIMEOUT, TIMEOUT)
-        head.hello_as_head(b"token", TIMEOUT)
-        node = node()
-        head.send(msg_type.TELEMETRY, TelemetryMsg(spans=marker))
-        sent = background(lambda: head.send(msg_type.TELEMETRY, TelemetryMsg(spans=big)))
-        frames = []
-        while len(frames) < 2:
-            frames += frames_until(node, msg_type.TELEMETRY)
-        sent()
-        got = [postcard.from_bytes(TelemetryMsg, f.payload).spans for f in frames]
-        assert got == [marker, big]
-    assert len(wire) > len(big)
-    assert marker not in wire
-    assert b"token" not in wire
-    assert big[:4096] not in wire
-
-
-def test_a_plain_peer_cannot_talk_to_a_secure_node():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.settimeout(TIMEOUT)
-        node = secure_node(listener, b"token", serve=False, handshake_timeout=0.3)
-        head = Endpoint.connect_tcp(listener.getsockname(), TIMEOUT)
-        # Its frame's length prefix reads as a Noise message far longer than it sends.
-        head.send(msg_type.HELLO, Hello(proto_versions=(2, 3), link_role=LinkRole.HeadDaemon, auth=b"token"))
-        with pytest.raises(TimedOut):
-            node()
-
-
-def test_a_silent_peer_times_the_noise_handshake_out():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        dialled = socket.create_connection(listener.getsockname(), TIMEOUT)
-        accepted, _ = listener.accept()
-        with pytest.raises(TimedOut):
-            Endpoint.from_tcp_secure(accepted, b"token", NoiseRole.Responder, 0.2)
-        assert accepted.fileno() == -1, "a failed handshake keeps its socket open"
-        dialled.close()
-

@@ -1,13 +1,19 @@
-"""linkf.secure: the unit tests of secure.rs, ported, plus the refusal's details."""
+"""Noise: the unit tests of secure.rs, ported, the refusal's details, and Noise under an
+`Endpoint` (right and wrong token, what crosses the wire, a plain or silent peer)."""
 
 import socket
 import threading
 
 import pytest
+from linkpairs import ackf, frames_until
 from polling import TIMEOUT, background
 
+from linkf import Endpoint
 from linkf.errors import Closed, TimedOut, Unauthorized
 from linkf.secure import MAX_PLAINTEXT, TAG, NoiseRole, SecureStream, key_from
+from proto import postcard
+from proto.handshake import Hello, LinkRole
+from proto.linkf import TelemetryMsg, msg_type
 
 
 def pair(a, b):
@@ -84,11 +90,8 @@ class Wire:
         self.node = bytearray()
 
 
-def tapped_pair():
-    """head <-> relay <-> node; the relay keeps a copy of the bytes each side writes."""
-    head_sock, relay_head = socket.socketpair()
-    relay_node, node_sock = socket.socketpair()
-    wire = Wire()
+def relay(head_side, node_side, wire):
+    """Copies bytes both ways between two sockets, keeping a copy of what each side writes."""
 
     def copy(src, dst, log):
         src.settimeout(TIMEOUT)
@@ -106,8 +109,16 @@ def tapped_pair():
         except OSError:
             pass
 
-    threading.Thread(target=copy, args=(relay_head, relay_node, wire.head), daemon=True).start()
-    threading.Thread(target=copy, args=(relay_node, relay_head, wire.node), daemon=True).start()
+    threading.Thread(target=copy, args=(head_side, node_side, wire.head), daemon=True).start()
+    threading.Thread(target=copy, args=(node_side, head_side, wire.node), daemon=True).start()
+
+
+def tapped_pair():
+    """head <-> relay <-> node; the relay keeps a copy of the bytes each side writes."""
+    head_sock, relay_head = socket.socketpair()
+    relay_node, node_sock = socket.socketpair()
+    wire = Wire()
+    relay(relay_head, relay_node, wire)
     return head_sock, node_sock, wire
 
 
@@ -144,3 +155,98 @@ def test_a_first_message_too_short_to_be_noise_is_refused():
     x.sendall(b"\x00\x03abc")
     with pytest.raises(Unauthorized):
         node()
+
+
+# Noise under an Endpoint
+
+
+def secure_node(listener, secret, serve=True, handshake_timeout=TIMEOUT):
+    """Accepts one connection as a Noise responder and answers its HELLO."""
+
+    def accept():
+        sock, _ = listener.accept()
+        node = Endpoint.from_tcp_secure(sock, secret, NoiseRole.Responder, handshake_timeout)
+        if serve:
+            node.answer_hello_as_agent(ackf("secure-node"), secret, TIMEOUT)
+        return node
+
+    return background(accept)
+
+
+def test_the_right_token_is_served_and_another_refused():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        addr = listener.getsockname()
+        node = secure_node(listener, b"token")
+        head = Endpoint.connect_tcp_secure(addr, b"token", TIMEOUT, TIMEOUT)
+        assert head.hello_as_head(b"token", TIMEOUT).node_identity == "secure-node"
+        node()
+
+        node = secure_node(listener, b"token")
+        with pytest.raises(Closed):
+            Endpoint.connect_tcp_secure(addr, b"other", TIMEOUT, TIMEOUT)
+        with pytest.raises(Unauthorized) as err:
+            node()
+        assert "127.0.0.1:" in str(err.value)
+
+
+def tcp_relay(target):
+    """A loopback listener that forwards to ``target`` and keeps every byte either side writes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(TIMEOUT)
+    wire = Wire()
+
+    def serve():
+        with listener:
+            inside, _ = listener.accept()
+        outside = socket.create_connection(target, TIMEOUT)
+        relay(inside, outside, wire)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname(), wire
+
+
+def test_the_plaintext_never_crosses_the_wire_and_a_1mib_frame_does_intact():
+    marker = b"PLAINTEXT-MARKER-7f3a"
+    big = bytes((i * 7919) % 256 for i in range(1 << 20))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        node = secure_node(listener, b"token")
+        addr, wire = tcp_relay(listener.getsockname())
+        head = Endpoint.connect_tcp_secure(addr, b"token", TIMEOUT, TIMEOUT)
+        head.hello_as_head(b"token", TIMEOUT)
+        node = node()
+        head.send(msg_type.TELEMETRY, TelemetryMsg(spans=marker))
+        sent = background(lambda: head.send(msg_type.TELEMETRY, TelemetryMsg(spans=big)))
+        frames = []
+        while len(frames) < 2:
+            frames += frames_until(node, msg_type.TELEMETRY)
+        sent()
+        got = [postcard.from_bytes(TelemetryMsg, f.payload).spans for f in frames]
+        assert got == [marker, big]
+    carried = bytes(wire.head + wire.node)
+    assert len(carried) > len(big)
+    assert marker not in carried
+    assert b"token" not in carried
+    assert big[:4096] not in carried
+
+
+def test_a_plain_peer_cannot_talk_to_a_secure_node():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        node = secure_node(listener, b"token", serve=False, handshake_timeout=0.3)
+        head = Endpoint.connect_tcp(listener.getsockname(), TIMEOUT)
+        # Its frame's length prefix reads as a Noise message far longer than it sends.
+        head.send(msg_type.HELLO, Hello(proto_versions=(2, 3), link_role=LinkRole.HeadDaemon, auth=b"token"))
+        with pytest.raises(TimedOut):
+            node()
+
+
+def test_a_silent_peer_times_the_noise_handshake_out():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        dialled = socket.create_connection(listener.getsockname(), TIMEOUT)
+        accepted, _ = listener.accept()
+        with pytest.raises(TimedOut):
+            Endpoint.from_tcp_secure(accepted, b"token", NoiseRole.Responder, 0.2)
+        assert accepted.fileno() == -1, "a failed handshake keeps its socket open"
+        dialled.close()
