@@ -1,4 +1,5 @@
-"""The mock engine against mock-engine.md, with a reference recomputed here by its own loop."""
+"""The mock engine against mock-engine.md, checked against the conformance kit's reference
+(`conformance.reference`), written from the spec and independent of the engine."""
 
 import struct
 import threading
@@ -8,6 +9,7 @@ import pytest
 import xxhash
 from polling import wait_until
 
+from conformance.reference import mock_stage, mock_tokens
 from nodeagent import finish
 from nodeagent.daemon import (
     GenerationError,
@@ -20,29 +22,6 @@ from nodeagent.daemon import (
 )
 from nodeagent.engine.mock import POOL_BLOCKS, MockDaemon
 from nodeagent.params import GenParams
-
-
-def reference(prompt, seed, n):
-    """The spec's algorithm, spelled out: re-pack the whole context at every step."""
-    context = list(prompt)
-    base = (seed + len(prompt)) % 2**64
-    out = []
-    for k in range(n):
-        data = b"".join(t.to_bytes(4, "little") for t in context)
-        data += ((base + k) % 2**64).to_bytes(8, "little")
-        token = xxhash.xxh3_64_intdigest(data) % 32000
-        out.append(token)
-        context.append(token)
-    return out
-
-
-def reference_stage(tokens, start, end, hidden=None):
-    h = int.from_bytes(hidden, "little") if hidden is not None else xxhash.xxh3_64_intdigest(
-        b"".join(t.to_bytes(4, "little") for t in tokens)
-    )
-    for layer in range(start, end):
-        h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + layer.to_bytes(4, "little"))
-    return h
 
 
 def generate(daemon, prompt, n, seed=0, deadline_ms=0, on_tokens=None, batches=None):
@@ -63,7 +42,7 @@ PROMPTS = [[1], list(range(500, 540)), [31999, 0, 7, 2**32 - 1], list(range(300)
 @pytest.mark.parametrize("seed", [0, 42, 2**64 - 3])
 def test_tokens_match_the_reference(prompt, seed):
     result = generate(MockDaemon(), prompt, 37, seed=seed)
-    assert result.tokens == reference(prompt, seed, 37)
+    assert result.tokens == mock_tokens(prompt, 37, seed)
     assert result.finish == finish.NONE and not result.expired
 
 
@@ -77,7 +56,7 @@ def test_a_known_value_pins_the_hash_itself():
 def test_callback_batch_sizes_change_no_value(batch):
     batches = []
     result = generate(MockDaemon(batch_tokens=batch), PROMPTS[1], 40, seed=5, batches=batches)
-    assert result.tokens == reference(PROMPTS[1], 5, 40)
+    assert result.tokens == mock_tokens(PROMPTS[1], 40, 5)
     assert sum(batches, []) == result.tokens
     assert all(len(b) == batch for b in batches[:-1]) and 0 < len(batches[-1]) <= batch
 
@@ -96,7 +75,7 @@ def test_concurrent_generations_each_match_their_reference():
     for t in threads:
         t.join(timeout=30)
     for (prompt, seed), tokens in zip(jobs, results):
-        assert tokens == reference(prompt, seed, 50)
+        assert tokens == mock_tokens(prompt, 50, seed)
     stats = daemon.sched_stats()
     assert stats.decode_tokens == 50 * len(jobs)
     assert stats.prefill_tokens == sum(len(p) for p, _ in jobs)
@@ -108,7 +87,7 @@ def test_sampling_knobs_change_nothing():
     result = MockDaemon().generate_tokens_streaming(
         PROMPTS[1], params, 20, 0, GenExtras(qos_class=3), lambda b: True
     )
-    assert result.tokens == reference(PROMPTS[1], 9, 20)
+    assert result.tokens == mock_tokens(PROMPTS[1], 20, 9)
 
 
 def test_zero_max_tokens_returns_nothing_at_once():
@@ -119,7 +98,7 @@ def test_zero_max_tokens_returns_nothing_at_once():
 
 def test_the_window_edge():
     daemon = MockDaemon(max_context=64)
-    assert generate(daemon, list(range(64)), 3).tokens == reference(list(range(64)), 0, 3)
+    assert generate(daemon, list(range(64)), 3).tokens == mock_tokens(list(range(64)), 3, 0)
     with pytest.raises(StreamTooLong) as e:
         generate(daemon, list(range(65)), 3)
     assert str(e.value) == (
@@ -145,14 +124,14 @@ def test_the_deadline_expires_a_slow_generation():
 
 def test_a_deadline_not_reached_changes_nothing():
     result = generate(MockDaemon(), [1, 2, 3], 30, deadline_ms=60_000)
-    assert result.tokens == reference([1, 2, 3], 0, 30) and not result.expired
+    assert result.tokens == mock_tokens([1, 2, 3], 30, 0) and not result.expired
 
 
 def test_a_callback_returning_false_cancels_at_once():
     seen = []
     result = generate(MockDaemon(batch_tokens=1), PROMPTS[1], 100, on_tokens=lambda b: seen.append(b) or len(seen) < 5)
     assert result.finish == finish.CANCELLED
-    assert len(seen) == 5 and result.tokens == reference(PROMPTS[1], 0, 5)
+    assert len(seen) == 5 and result.tokens == mock_tokens(PROMPTS[1], 5, 0)
 
 
 def test_the_delay_holds_a_generation_open_and_close_ends_it():
@@ -166,7 +145,7 @@ def test_the_delay_holds_a_generation_open_and_close_ends_it():
     daemon.close()
     t.join(timeout=5)
     assert not t.is_alive() and out["r"].finish == finish.CANCELLED
-    assert out["r"].tokens == reference(list(range(40)), 0, len(out["r"].tokens))
+    assert out["r"].tokens == mock_tokens(list(range(40)), len(out["r"].tokens), 0)
 
 
 def test_pool_pages_follow_the_resident_lanes_and_return_to_zero():
@@ -203,13 +182,13 @@ def test_lanes_beyond_max_wait_in_the_queue():
 def test_stage_chains_agree_with_the_whole_range(tokens):
     daemon = MockDaemon()
     whole = daemon.forward_stage(tokens, 0, 24, None)
-    assert whole == StageToken(reference_stage(tokens, 0, 24) % 32000)
+    assert whole == StageToken(mock_stage(tokens, 0, 24))
     for k in range(0, 25):
         first = daemon.forward_stage(tokens, 0, k, None)
         if k == 24:
             assert first == whole
             continue
-        assert first == StageHidden(reference_stage(tokens, 0, k).to_bytes(8, "little"))
+        assert first == StageHidden(mock_stage(tokens, 0, k))
         assert daemon.forward_stage([], k, 24, first.data) == whole
 
 
