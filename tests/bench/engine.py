@@ -34,6 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from procstat import rss_mb  # noqa: E402
+
 from nodeagent.daemon import GenExtras  # noqa: E402
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors  # noqa: E402
 from nodeagent.engine.checkpoint import write_checkpoint  # noqa: E402
@@ -208,14 +210,6 @@ def chat() -> list[str]:
     worst = min(ratios[1:])
     print(f"  from turn 2 on, at least {worst:.1f}× faster   (target ≥ {TTFT_TARGET:.0f})")
     return [] if worst >= TTFT_TARGET else [f"prefix reuse: TTFT from turn 2 ≥ {TTFT_TARGET:.0f}× cache off"]
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def idle_rss_mb(argv: list[str], ready: str) -> float:

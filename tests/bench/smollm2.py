@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from engine import best_time  # the sibling bench: one timing rule for every engine figure
+from engine import bare_torch_rss_mb, best_time  # the sibling bench: one timing rule for every engine figure
+from procstat import rss_mb
 
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.gguf_file import load_gguf
@@ -77,21 +78,6 @@ class Theirs:
 
 def decode_rate(generate, prompt: list[int]) -> float:
     return (NEW_TOKENS - 1) / (best_time(lambda: generate(prompt, NEW_TOKENS)) - best_time(lambda: generate(prompt, 1)))
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
-def bare_torch_rss_mb() -> float:
-    code = "import torch, os; print(open(f'/proc/{os.getpid()}/status').read())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
 
 
 def idle_node_rss_mb() -> float:
