@@ -24,7 +24,6 @@ Run: `make bench`, or .venv/bin/python tests/bench/serve.py [--quick]
 from __future__ import annotations
 
 import multiprocessing
-import os
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from nodeproc import Noded  # noqa: E402
+from procstat import cpu_s, rss_mb  # noqa: E402
 
 from conformance.head import FleetHead  # noqa: E402
 from linkf.driver import Endpoint  # noqa: E402
@@ -175,7 +175,10 @@ def _bare_serve(endpoint: Endpoint, n: int) -> None:
             _send_event(endpoint, seq, TokenEventPayload.Tokens(tokens=batch))
             seq, sent = seq + 1, sent + len(batch)
         _send_event(endpoint, seq, TokenEventPayload.Finish(reason=2))
-        endpoint.wait_frames()
+        while acked < seq:  # the head acks the Finish too: hanging up before breaks its ack
+            for frame in endpoint.wait_frames():
+                if frame.msg_type == msg_type.WATERMARK_ACK:
+                    acked = decode_payload(frame.msg_type, frame.payload).watermark
     except LinkFError:
         pass
     finally:
@@ -196,20 +199,6 @@ def start_bare(n: int):
 
 
 # ---- the node process --------------------------------------------------------------------------
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_node(home: Path, *args: str) -> Noded:
