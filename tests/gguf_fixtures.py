@@ -3,11 +3,13 @@ a byte-level BPE vocabulary trained on a few sentences, with a ChatML chat templ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from tinymodel import TINY
 
 from nodeagent.engine.checkpoint import GGUFVocab, Quantized
 from nodeagent.engine.model import ModelConfig
@@ -31,11 +33,9 @@ K_SCALE = np.float16(2e-5)
 
 
 def config_for(size: int) -> ModelConfig:
-    """A minimal model around a vocabulary of `size` tokens (the codec tests need the file,
-    not the weights)."""
-    return ModelConfig(
-        vocab_size=size, hidden_size=32, intermediate_size=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16
-    )
+    """The tiny model around a vocabulary of `size` tokens, one layer deep (the codec tests need
+    the file, not the weights)."""
+    return dataclasses.replace(TINY, vocab_size=size, n_layers=1)
 
 
 def train_vocab(size: int = 320) -> GGUFVocab:

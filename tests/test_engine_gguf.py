@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_fixtures import k_quant_tensors, mixed_types, train_vocab
+from tinymodel import TINY
 
 from nodeagent.daemon import GenExtras, ModelLoadError
 from nodeagent.engine.builtin import random_tensors
@@ -23,17 +24,14 @@ torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
 
 VOCAB = train_vocab()
-CONFIG = ModelConfig(
+#: The tiny model four times as wide, so each weight row holds whole k-quant blocks (256
+#: weights), over the trained vocabulary and its end token; tied, as small GGUF models are.
+CONFIG = dataclasses.replace(
+    TINY,
     vocab_size=len(VOCAB.tokens),
     hidden_size=256,
     intermediate_size=512,
-    n_layers=3,
-    n_heads=4,
-    n_kv_heads=2,
     head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=1024,
     tie_word_embeddings=True,
     eos_token_ids=(VOCAB.eos_token_id,),
 )

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 from polling import wait_until
-from test_engine_parity import PROMPTS, TINY, is_reference_greedy
+from test_engine_parity import PROMPTS, is_reference_greedy
 from test_engine_scheduler import in_threads
+from tinymodel import TINY
 
 from nodeagent import finish
 from nodeagent.daemon import GenExtras

@@ -14,6 +14,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from tinymodel import TINY
 
 from nodeagent.daemon import GenExtras
 from nodeagent.engine import linear
@@ -26,18 +27,6 @@ torch.set_num_threads(1)
 
 NEW_TOKENS = 64
 WINDOW = 12
-TINY = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    n_layers=3,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-)
 PROMPTS = [
     [7],
     [1, 2, 3, 4, 5],

@@ -11,27 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 from polling import background, wait_until
+from tinymodel import TINY
 
 from nodeagent import finish
 from nodeagent.daemon import GenerationError, GenExtras, StreamTooLong
 from nodeagent.engine.builtin import random_model
-from nodeagent.engine.model import ModelConfig
 from nodeagent.engine.scheduler import Generation, Scheduler
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.params import GenParams
 
 torch.set_num_threads(1)
 
-TINY = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
 GREEDY = GenParams()
 SAMPLED = GenParams(temperature=1.0, top_p=0.95, min_p=0.01, top_k=100)
 
@@ -271,7 +261,7 @@ def test_limits_of_the_stream(make):
     assert run(daemon, max_tokens=0) == run(daemon, max_tokens=0)
     assert run(daemon, max_tokens=0).tokens == [] and run(daemon, max_tokens=0).finish == finish.LENGTH
     with pytest.raises(GenerationError, match="vocabulary"):
-        run(daemon, prompt=[1, 256])
+        run(daemon, prompt=[1, TINY.vocab_size])
 
 
 def test_a_failing_step_fails_its_generations_and_the_scheduler_goes_on(make):
