@@ -250,7 +250,8 @@ def test_llama3_checkpoint_loads(tmp_path, tensors):
 def test_slow_load_shows_progress_on_stderr(tmp_path, tensors, monkeypatch, capsys):
     monkeypatch.setattr(loader.Progress, "QUIET_FOR_S", 0.0)
     monkeypatch.setattr(loader.Progress, "EVERY_S", 0.0)
-    loader.load_model(write_checkpoint(tmp_path / "slow", CHECKPOINT, tensors, shards=2), torch.float32, torch.device("cpu"))
+    directory = write_checkpoint(tmp_path / "slow", CHECKPOINT, tensors, shards=2)
+    loader.load_model(directory, torch.float32, torch.device("cpu"))
     err = capsys.readouterr().err
     assert f"loading model: 100% ({len(tensors)}/{len(tensors)} tensors)" in err
     assert f"loaded {len(tensors)} tensors in" in err
