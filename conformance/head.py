@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 
 from conformance.wal import WalStub
 from linkf.driver import Endpoint, Liveness
-from linkf.errors import Closed, Payload
+from linkf.errors import Closed
 from linkf.head import HeadSession
+from linkf.message import Message
 from nodeagent import finish
 from nodeagent.fleet import encode_params, encode_tokens
 from nodeagent.params import GenParams
@@ -43,11 +44,9 @@ from proto.linkf import (
     TokenEvent,
     TokenEventPayload,
     TokenEventsMsg,
-    decode_payload,
     msg_type,
     type_name,
 )
-from proto.postcard import PostcardError
 
 #: The lease the Rust fleet tests place sessions with.
 LEASE = Lease(duration_ms=120_000, renew_by_ms=90_000)
@@ -326,7 +325,7 @@ class FleetHead:
 
     def pump(self) -> list[Received]:
         """One read of the link; every frame it brought, handled."""
-        return [self._handle(frame) for frame in self.endpoint.pump()]
+        return [self._handle(message) for message in self.endpoint.pump()]
 
     def until(self, done: Callable[[], object], timeout: float, what: str) -> None:
         """Reads the link until `done()` holds; HeadTimeout naming `what` after `timeout` s."""
@@ -363,11 +362,10 @@ class FleetHead:
                 return True
         return False
 
-    def _handle(self, frame: Frame) -> Received:
-        try:
-            msg = decode_payload(frame.msg_type, frame.payload)
-        except PostcardError as e:
-            raise Payload(f"the node's {type_name(frame.msg_type)}: {e}", peer=self.endpoint.peer) from e
+    def _handle(self, message: Message) -> Received:
+        """Keeps and acts on `message`; a head reads every payload, so one that does not decode
+        is `Payload` here, whatever its type."""
+        frame, msg = message.frame, message.msg
         got = Received(time.monotonic(), frame, msg)
         self.received.append(got)
         if frame.msg_type == msg_type.TOKEN_EVENTS:

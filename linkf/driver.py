@@ -12,6 +12,10 @@ its next deadline, whichever comes first. Writes go out on a non-blocking socket
 takes no bytes for the write timeout is ``TimedOut``, and the endpoint is unusable from then on
 (a frame may have left in part).
 
+What it receives comes back as ``Message``s, the frames with their payloads decoded as the
+catalog's types on first read (``message.py`` says why not sooner): ``send`` takes a message
+and ``pump`` gives messages, so no caller decodes a payload itself.
+
 One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it.
 """
 
@@ -27,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from proto import postcard
 from proto.envelope import MAX_FRAME, EnvelopeError, Frame, FrameClass, FrameDecoder, encode_frame, foreign_protocol
@@ -36,10 +39,9 @@ from proto.linkf import is_known_type, msg_type
 
 from .budget import PROCESS_BUDGET, BufferBudget
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
+from .message import Message
 from .secure import LINKF_ONLY, NoiseRole, SecureStream, key_from
 from .waker import Waker
-
-_P = TypeVar("_P")
 
 PROTO_VERSION = 3
 SUPPORTED_VERSIONS = (2, 3)
@@ -109,7 +111,7 @@ class Endpoint:
         self.peer = peer
         self._decoder = FrameDecoder(is_known_type)
         self._holding = PROCESS_BUDGET.holding()
-        self._pending: deque[Frame] = deque()
+        self._pending: deque[Message] = deque()
         #: Called with ("sent" or "received", frame) for every frame that passes, payloads in
         #: the clear: how `superfluid-noded --record` writes transcripts.
         self.recorder: Callable[[str, Frame], None] | None = None
@@ -204,7 +206,7 @@ class Endpoint:
         """Seconds since anything was received."""
         return time.monotonic() - self._last_heard
 
-    # Frames
+    # Messages
 
     def send(self, msg_type_: int, msg: object = None) -> None:
         """Sends ``msg`` (a postcard struct; None for an empty payload) as the next frame."""
@@ -228,31 +230,31 @@ class Endpoint:
         if self.recorder is not None:
             self.recorder("sent", frame)
 
-    def pump(self, timeout: float | None = None) -> list[Frame]:
+    def pump(self, timeout: float | None = None) -> list[Message]:
         """One read, waiting at most ``timeout`` seconds (None: the poll interval) and less when
-        a heartbeat or the silence limit comes first, then every complete frame. Returns early,
-        maybe with no frame, when the waker is set. Sends a heartbeat when one is due and, on a
-        version-3 link, fails with ``TimedOut`` once the peer has been silent too long."""
+        a heartbeat or the silence limit comes first, then a message for every complete frame.
+        Returns early, maybe with none, when the waker is set. Sends a heartbeat when one is due
+        and, on a version-3 link, fails with ``TimedOut`` once the peer has been silent too long."""
         if self._pending:
-            frames = list(self._pending)
+            messages = list(self._pending)
             self._pending.clear()
-            return frames
+            return messages
         if self._broken is not None:
             raise self._broken
         self._beat()
         self._read(min(self._poll if timeout is None else timeout, self._until_liveness()))
-        frames = self._decode()
+        messages = self._received()
         silence = self._liveness.silence
-        if not frames and self._v3() and silence > 0 and self.quiet_for() >= silence:
+        if not messages and self._v3() and silence > 0 and self.quiet_for() >= silence:
             raise TimedOut(f"nothing heard for {self.quiet_for():.1f} s", peer=self.peer)
-        return frames
+        return messages
 
-    def wait_frames(self) -> list[Frame]:
-        """Blocks until at least one frame arrives."""
+    def wait_messages(self) -> list[Message]:
+        """Blocks until at least one message arrives (Rust's ``wait_frames``)."""
         while True:
-            frames = self.pump(_FOREVER)
-            if frames:
-                return frames
+            messages = self.pump(_FOREVER)
+            if messages:
+                return messages
 
     # Handshake
 
@@ -268,7 +270,7 @@ class Endpoint:
         deadline = _deadline(timeout)
         self._hello_version = versions[1]
         self.send(msg_type.HELLO, Hello(proto_versions=(versions[0], versions[1]), link_role=role, auth=bytes(auth)))
-        ack = self._decode_payload(HelloAckF, self._first(msg_type.HELLO_ACK_F, "expected HelloAckF", deadline))
+        ack: HelloAckF = self._first(msg_type.HELLO_ACK_F, "expected HelloAckF", deadline).msg
         if not versions[0] <= ack.chosen_version <= versions[1]:
             raise Protocol("peer chose a version that was not offered", peer=self.peer)
         self._version = ack.chosen_version
@@ -281,14 +283,14 @@ class Endpoint:
         than ``MAX_HELLO_FRAME`` is an ``Envelope`` error."""
         self._decoder.max_frame = MAX_HELLO_FRAME
         try:
-            frame = self._first(msg_type.HELLO, "expected Hello", _deadline(timeout))
+            message = self._first(msg_type.HELLO, "expected Hello", _deadline(timeout))
         except Envelope:
             foreign = foreign_protocol(self._decoder.peek(8))
             if foreign is None:
                 raise
             raise Protocol(f"the peer speaks {foreign}; {LINKF_ONLY}", peer=self.peer) from None
         self._decoder.max_frame = MAX_FRAME
-        hello = self._decode_payload(Hello, frame)
+        hello: Hello = message.msg
         version = negotiate(hello.proto_versions, SUPPORTED_VERSIONS)
         if version is None:
             raise Protocol("no common proto version", peer=self.peer)
@@ -382,11 +384,12 @@ class Endpoint:
         timeout = -1 if self._write_timeout is None else math.ceil(self._write_timeout * 1000)
         return bool(writable.poll(timeout))
 
-    def _decode(self) -> list[Frame]:
-        frames = []
+    def _received(self) -> list[Message]:
+        """A message for each whole frame the decoder holds."""
+        messages = []
         try:
             while (frame := self._decoder.decode_next()) is not None:
-                frames.append(frame)
+                messages.append(Message(frame, self.peer))
                 if self.recorder is not None:
                     self.recorder("received", frame)
         except EnvelopeError as e:
@@ -397,30 +400,24 @@ class Endpoint:
                 "buffered frames",
                 peer=self.peer,
             )
-        return frames
+        return messages
 
-    def _first(self, wanted: int, reason: str, deadline: float | None) -> Frame:
-        """The first frame that is not droppable, which must be of type ``wanted``; the frames
-        after it wait for the next ``pump``."""
+    def _first(self, wanted: int, reason: str, deadline: float | None) -> Message:
+        """The first message that is not droppable, which must be of type ``wanted``; the
+        messages after it wait for the next ``pump``."""
         while True:
             left = _FOREVER if deadline is None else max(deadline - time.monotonic(), 0.0)
-            frames = deque(self.pump(left))
-            while frames:
-                frame = frames.popleft()
-                if frame.class_ == FrameClass.DROPPABLE:
+            messages = deque(self.pump(left))
+            while messages:
+                message = messages.popleft()
+                if message.frame.class_ == FrameClass.DROPPABLE:
                     continue
-                if frame.msg_type != wanted:
+                if message.msg_type != wanted:
                     raise Protocol(reason, peer=self.peer)
-                self._pending.extend(frames)
-                return frame
+                self._pending.extend(messages)
+                return message
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimedOut(f"no answer to the handshake ({reason})", peer=self.peer)
-
-    def _decode_payload(self, cls: type[_P], frame: Frame) -> _P:
-        try:
-            return postcard.from_bytes(cls, frame.payload)
-        except postcard.PostcardError as e:
-            raise Payload(str(e), peer=self.peer) from e
 
     def _io_error(self, doing: str, e: Exception) -> LinkFError:
         if isinstance(e, ValueError) or getattr(e, "errno", None) in _GONE:

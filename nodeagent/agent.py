@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from linkf.agent import AgentSession, SelfFence
 from linkf.driver import DEFAULT_LIVENESS, PROTO_VERSION, Endpoint, Liveness
-from linkf.errors import Closed, LinkFError, Payload, TimedOut
+from linkf.errors import Closed, LinkFError, TimedOut
+from linkf.message import Message
 from linkf.waker import Waker
 from nodeagent import finish
 from nodeagent.daemon import (
@@ -45,7 +46,7 @@ from nodeagent.observe import GenerationWatch, NodeObserver
 from nodeagent.outbox import Outbox
 from nodeagent.params import GenParams
 from proto import postcard
-from proto.envelope import MAX_FRAME, Frame
+from proto.envelope import MAX_FRAME
 from proto.handshake import CapacitySummary, HelloAckF
 from proto.linkf import (
     GenerateReqMsg,
@@ -56,7 +57,6 @@ from proto.linkf import (
     TokenEvent,
     TokenEventPayload,
     TokenEventsMsg,
-    decode_payload,
     msg_type,
 )
 from proto.linkw import MemCountersMsg
@@ -422,8 +422,8 @@ class Connection:
             self.drop_generation(work)
         if work.stage is not None:
             self.hand_back_stage(endpoint, work)
-        for frame in endpoint.pump(self.sleep_s(endpoint, work, now)):
-            self.handle(endpoint, frame, work)
+        for message in endpoint.pump(self.sleep_s(endpoint, work, now)):
+            self.handle(endpoint, message, work)
         run = work.generation
         if run is not None and run.stalled_since is not None and self.node.write_timeout:
             if self.node.now_ms() - run.stalled_since >= self.node.write_timeout * 1000:
@@ -477,12 +477,13 @@ class Connection:
             self.asked[renewal.session_id] = now
         return bool(due)
 
-    def handle(self, endpoint: Endpoint, frame: Frame, work: Work) -> None:
-        """Acts on one frame from the head; every type without a handler below is ignored."""
-        handler = self._handlers.get(frame.msg_type)
+    def handle(self, endpoint: Endpoint, message: Message, work: Work) -> None:
+        """Acts on one message from the head; every type without a handler below is ignored,
+        its payload never decoded, as in the seed."""
+        handler = self._handlers.get(message.msg_type)
         if handler is not None:
-            handler(self, endpoint, _decode(frame), work)
-        if frame.msg_type in _LEASE_TYPES:
+            handler(self, endpoint, message.msg, work)
+        if message.msg_type in _LEASE_TYPES:
             self.lease_due_ms = 0
 
     def on_reconcile(self, endpoint: Endpoint, m, work: Work) -> None:
@@ -765,13 +766,6 @@ def _stalled(work: Work) -> bool:
 def _fields(**fields) -> dict:
     """A log record's key=value fields, as `nodeagent.logs` prints them after the message."""
     return {"fields": fields}
-
-
-def _decode(frame: Frame):
-    try:
-        return decode_payload(frame.msg_type, frame.payload)
-    except PostcardError as e:
-        raise Payload(f"message type {frame.msg_type:#06x}: {e}") from e
 
 
 def is_client_refusal(e: DaemonError) -> bool:

@@ -1,5 +1,5 @@
 """Two ends of a link for the linkf tests: socketpair and loopback TCP pairs, the node's
-HELLO_ACK_F they answer with, and a wait for a frame."""
+HELLO_ACK_F they answer with, and a wait for a message."""
 
 import socket
 import time
@@ -35,12 +35,12 @@ def ackf(identity="node"):
     )
 
 
-def frames_until(ep, wanted, seconds=TIMEOUT):
-    """Pumps ``ep`` until a frame of type ``wanted`` arrives; every frame seen, in order."""
+def messages_until(ep, wanted, seconds=TIMEOUT):
+    """Pumps ``ep`` until a message of type ``wanted`` arrives; every message seen, in order."""
     deadline = time.monotonic() + seconds
     seen = []
     while time.monotonic() < deadline:
         seen += ep.pump()
-        if any(f.msg_type == wanted for f in seen):
+        if any(m.msg_type == wanted for m in seen):
             return seen
-    raise AssertionError(f"no 0x{wanted:04x} within {seconds} s; saw {[hex(f.msg_type) for f in seen]}")
+    raise AssertionError(f"no 0x{wanted:04x} within {seconds} s; saw {[hex(m.msg_type) for m in seen]}")

@@ -5,7 +5,7 @@ import socket
 import time
 
 import pytest
-from linkpairs import ackf, frames_until, tcp_pair, unix_pair
+from linkpairs import ackf, messages_until, tcp_pair, unix_pair
 from polling import TIMEOUT, background
 
 from linkf import (
@@ -20,7 +20,6 @@ from linkf import (
     TimedOut,
     Unauthorized,
 )
-from proto import postcard
 from proto.envelope import FrameClass
 from proto.handshake import Hello, LinkRole
 from proto.linkf import LeaseRenewMsg, TelemetryMsg, msg_type
@@ -41,12 +40,14 @@ def test_hello_both_ways_then_frames_carry_seq_and_version(make):
     assert ack.chosen_version == 3
     assert head.version() == node.version() == 3
     head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=7, epoch=2))
-    (frame,) = frames_until(node, msg_type.LEASE_RENEW)
+    (message,) = messages_until(node, msg_type.LEASE_RENEW)
+    frame = message.frame
     assert (frame.seq, frame.proto_version, frame.correlation_id) == (2, 3, 0), "HELLO was seq 1"
-    assert postcard.from_bytes(LeaseRenewMsg, frame.payload) == LeaseRenewMsg(session_id=7, epoch=2)
+    assert message.msg == LeaseRenewMsg(session_id=7, epoch=2)
     node.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"x"))
-    (frame,) = frames_until(head, msg_type.TELEMETRY)
-    assert frame.seq == 2 and frame.class_ == FrameClass.DROPPABLE
+    (message,) = messages_until(head, msg_type.TELEMETRY)
+    assert message.frame.seq == 2 and message.frame.class_ == FrameClass.DROPPABLE
+    assert message.msg == TelemetryMsg(spans=b"x")
     assert "unix" in node.peer or "127.0.0.1:" in node.peer
 
 
@@ -131,6 +132,18 @@ def test_a_hello_that_does_not_decode_is_a_payload_error():
         node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
 
 
+def test_a_payload_is_decoded_when_read_so_an_unread_bad_one_costs_nothing():
+    head, node = unix_pair()
+    head.send_payload(msg_type.POLICY_UPDATE, b"\x01\xff")  # its `envelope` length runs past the end
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))
+    bad, good = messages_until(node, msg_type.LEASE_RENEW)
+    assert bad.msg_type == msg_type.POLICY_UPDATE and bad.frame.payload == b"\x01\xff"
+    assert good.msg is good.msg == LeaseRenewMsg(session_id=3, epoch=1), "decoded once"
+    with pytest.raises(Payload, match=r"POLICY_UPDATE \(0x0007\)") as raised:
+        _ = bad.msg
+    assert raised.value.peer == node.peer
+
+
 def test_frames_that_follow_the_hello_in_the_same_read_are_kept():
     head, node = unix_pair()
     head.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"before"))
@@ -138,8 +151,9 @@ def test_frames_that_follow_the_hello_in_the_same_read_are_kept():
     head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))
     time.sleep(0.05)
     node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
-    frames = frames_until(node, msg_type.LEASE_RENEW)
-    assert [f.msg_type for f in frames] == [msg_type.LEASE_RENEW]
+    messages = messages_until(node, msg_type.LEASE_RENEW)
+    assert [m.msg_type for m in messages] == [msg_type.LEASE_RENEW]
+    assert messages[0].msg == LeaseRenewMsg(session_id=3, epoch=1)
 
 
 def beats(ep, seconds):
@@ -147,8 +161,8 @@ def beats(ep, seconds):
     times, others = [], []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        for f in ep.pump():
-            (times if f.msg_type == msg_type.KEEPALIVE else others).append(time.monotonic())
+        for m in ep.pump():
+            (times if m.msg_type == msg_type.KEEPALIVE else others).append(time.monotonic())
     return times, others
 
 
@@ -249,17 +263,17 @@ def test_peer_closing_is_closed_and_garbage_is_an_envelope_error():
     head, node = unix_pair()
     head.close()
     with pytest.raises(Closed):
-        node.wait_frames()
+        node.wait_messages()
     a, b = socket.socketpair()
     node = Endpoint.from_unix(b)
     a.sendall(b"\x01\x00\x00\x00" + bytes(30))
     with pytest.raises(Envelope):
-        node.wait_frames()
+        node.wait_messages()
 
 
-def test_shutdown_from_another_thread_unblocks_wait_frames():
+def test_shutdown_from_another_thread_unblocks_wait_messages():
     head, node = unix_pair()
-    waiting = background(node.wait_frames)
+    waiting = background(node.wait_messages)
     time.sleep(0.1)
     node.shutdown()
     with pytest.raises(Closed):

@@ -20,7 +20,6 @@ from proto.linkf import (
     TokenEvent,
     TokenEventPayload,
     TokenEventsMsg,
-    decode_payload,
     msg_type,
 )
 from proto.postcard import U32, Vec
@@ -169,7 +168,7 @@ def read(ep, count):
     """The next ``count`` messages ``ep`` receives, decoded, with their types."""
     got = []
     while len(got) < count:
-        got += [(f.msg_type, decode_payload(f.msg_type, f.payload)) for f in ep.pump()]
+        got += [(m.msg_type, m.msg) for m in ep.pump()]
     return got
 
 

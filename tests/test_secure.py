@@ -5,13 +5,12 @@ import socket
 import threading
 
 import pytest
-from linkpairs import ackf, frames_until
+from linkpairs import ackf, messages_until
 from polling import TIMEOUT, background
 
 from linkf import Endpoint
 from linkf.errors import Closed, TimedOut, Unauthorized
 from linkf.secure import MAX_PLAINTEXT, TAG, NoiseRole, SecureStream, key_from
-from proto import postcard
 from proto.handshake import Hello, LinkRole
 from proto.linkf import TelemetryMsg, msg_type
 
@@ -218,11 +217,11 @@ def test_the_plaintext_never_crosses_the_wire_and_a_1mib_frame_does_intact():
         node = node()
         head.send(msg_type.TELEMETRY, TelemetryMsg(spans=marker))
         sent = background(lambda: head.send(msg_type.TELEMETRY, TelemetryMsg(spans=big)))
-        frames = []
-        while len(frames) < 2:
-            frames += frames_until(node, msg_type.TELEMETRY)
+        messages = []
+        while len(messages) < 2:
+            messages += messages_until(node, msg_type.TELEMETRY)
         sent()
-        got = [postcard.from_bytes(TelemetryMsg, f.payload).spans for f in frames]
+        got = [m.msg.spans for m in messages]
         assert got == [marker, big]
     carried = bytes(wire.head + wire.node)
     assert len(carried) > len(big)

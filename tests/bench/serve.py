@@ -50,7 +50,6 @@ from proto.linkf import (  # noqa: E402
     TokenEventPayload,
     TokenEventsMsg,
     WatermarkAckMsg,
-    decode_payload,
     msg_type,
 )
 
@@ -76,11 +75,10 @@ def count_stream(endpoint: Endpoint, limit: int) -> tuple[int, float, float]:
     (tokens, first token time, last time)."""
     tokens, first = 0, None
     while True:
-        for frame in endpoint.pump(1.0):
-            if frame.msg_type != msg_type.TOKEN_EVENTS:
+        for message in endpoint.pump(1.0):
+            if message.msg_type != msg_type.TOKEN_EVENTS:
                 continue
-            msg = decode_payload(frame.msg_type, frame.payload)
-            for ev in msg.events:
+            for ev in message.msg.events:
                 endpoint.send(
                     msg_type.WATERMARK_ACK,
                     WatermarkAckMsg(
@@ -166,9 +164,9 @@ def _bare_serve(endpoint: Endpoint, n: int) -> None:
 
     try:
         while sent < n:
-            for frame in endpoint.pump(1.0 if window_full() else 0.0):
-                if frame.msg_type == msg_type.WATERMARK_ACK:
-                    acked = decode_payload(frame.msg_type, frame.payload).watermark
+            for message in endpoint.pump(1.0 if window_full() else 0.0):
+                if message.msg_type == msg_type.WATERMARK_ACK:
+                    acked = message.msg.watermark
             if window_full():
                 continue
             batch = [stepper.next() for _ in range(min(EVENT_TOKENS_MAX, n - sent))]
@@ -176,9 +174,9 @@ def _bare_serve(endpoint: Endpoint, n: int) -> None:
             seq, sent = seq + 1, sent + len(batch)
         _send_event(endpoint, seq, TokenEventPayload.Finish(reason=2))
         while acked < seq:  # the head acks the Finish too: hanging up before breaks its ack
-            for frame in endpoint.wait_frames():
-                if frame.msg_type == msg_type.WATERMARK_ACK:
-                    acked = decode_payload(frame.msg_type, frame.payload).watermark
+            for message in endpoint.wait_messages():
+                if message.msg_type == msg_type.WATERMARK_ACK:
+                    acked = message.msg.watermark
     except LinkFError:
         pass
     finally:

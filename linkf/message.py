@@ -1,0 +1,59 @@
+"""What an ``Endpoint`` hands back for each frame it receives: the frame and its payload as the
+catalog's message type, the receiving twin of ``Endpoint.send`` taking a message.
+
+The payload is decoded on the first read of ``Message.msg``, not when the frame arrives. The
+Rust agent decodes a payload only for the types it acts on and drops every other frame unread
+(``_ => {}`` in the seed's ``handle``), so a TELEMETRY or POLICY_UPDATE whose payload does not
+decode costs the peer nothing; decoding every frame in ``pump`` would turn that frame into a
+``Payload`` error and end the link. Read lazily, a frame is decoded exactly when a caller needs
+it, as before, and what fails to decode fails here, one way, for every caller. Types outside
+the catalog never reach a ``Message``: the envelope decoder skips an unknown droppable type and
+refuses an unknown required one (linkf-wire.md §1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proto.envelope import Frame
+from proto.linkf import decode_payload, type_name
+from proto.postcard import PostcardError
+
+from .errors import Payload
+
+#: `Message._msg` until the payload has been decoded (None is a payload's value too).
+_UNREAD: Any = object()
+
+
+class Message:
+    """A received frame (``frame``: its envelope fields and raw ``payload``, as transcripts
+    keep them) and ``msg``, its payload decoded as the class the catalog gives its
+    ``msg_type`` (a ``TokenEventsMsg``, a ``LeaseGrantMsg``, ...), decoded once."""
+
+    __slots__ = ("frame", "peer", "_msg")
+
+    def __init__(self, frame: Frame, peer: str | None = None) -> None:
+        self.frame = frame
+        #: Who sent it, for the error a payload that does not decode raises.
+        self.peer = peer
+        self._msg = _UNREAD
+
+    @property
+    def msg_type(self) -> int:
+        return self.frame.msg_type
+
+    @property
+    def msg(self) -> Any:
+        """The payload decoded; ``Payload`` when it does not decode as its type."""
+        msg = self._msg
+        if msg is _UNREAD:
+            t = self.frame.msg_type
+            try:
+                msg = self._msg = decode_payload(t, self.frame.payload)
+            except PostcardError as e:
+                raise Payload(f"{type_name(t)} (0x{t:04x}): {e}", peer=self.peer) from e
+        return msg
+
+    def __repr__(self) -> str:
+        f = self.frame
+        return f"Message({type_name(f.msg_type)}, seq={f.seq}, {len(f.payload)} payload bytes)"
