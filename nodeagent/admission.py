@@ -96,6 +96,11 @@ class Admission(Generic[H]):
         with self._lock:
             return self._entries.pop(ticket, None) is not None
 
+    def handles(self) -> list[H]:
+        """The handles of every open connection, to hang them all up."""
+        with self._lock:
+            return [e.handle for e in self._entries.values()]
+
     def counts(self) -> tuple[int, int]:
         """(open connections, of which pending)."""
         with self._lock:

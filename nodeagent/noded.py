@@ -20,13 +20,14 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from linkf.driver import SUPPORTED_VERSIONS, Endpoint
 from linkf.errors import Closed, LinkFError, Unauthorized
 from linkf.secure import NoiseRole
 from linkf.transcript import NODE, Recorder
-from nodeagent.admission import Admission, Entry, Limits
+from nodeagent.admission import Admission, Limits
 from nodeagent.agent import Connection, NodeAgent
 from nodeagent.cli import (
     Options,
@@ -58,11 +59,23 @@ SWEEP_S = 1.0
 #: Finish.
 STOP_GRACE_S = 3.0
 
+#: Told, once a connection is over (its socket closed, its slot free), the peer and None or the
+#: error its serve raised: the error itself, where the observers get only a reason to show.
+ConnectionEnd = Callable[[str, BaseException | None], None]
+
 
 class Node:
     """One node process: the agent every connection shares, and the listener feeding it."""
 
-    def __init__(self, daemon: Daemon, opts: Options, token: bytes, identity: str, observer: Observers | None = None):
+    def __init__(
+        self,
+        daemon: Daemon,
+        opts: Options,
+        token: bytes,
+        identity: str,
+        observer: Observers | None = None,
+        on_connection_end: ConnectionEnd | None = None,
+    ):
         self.daemon = daemon
         self.observer = observer if observer is not None else Observers()
         self.identity = identity
@@ -82,8 +95,11 @@ class Node:
         )
         self.agent.shared.agent.retention_ms = opts.session_retention_ms
         self.admission: Admission[socket.socket] = Admission(Limits(max_connections=max(opts.max_connections, 1)))
+        self.on_connection_end = on_connection_end
         self._signals = 0
         self._stop = threading.Event()
+        #: The connections' threads, the finished ones pruned at each accept; `close` joins them.
+        self._threads: list[threading.Thread] = []
 
     def catch_signals(self) -> None:
         """From now on SIGTERM/SIGINT start a drain (a second one cuts it short); call it before
@@ -93,6 +109,12 @@ class Node:
 
     def serve_until_signalled(self, listener: socket.socket) -> int:
         """Accepts heads until a signal, then drains; the process's exit code."""
+        self.accept_until_stopped(listener)
+        listener.close()
+        return self.drain()
+
+    def accept_until_stopped(self, listener: socket.socket) -> None:
+        """Accepts heads, each served on a thread of its own, until a signal or `stop`."""
         listener.settimeout(POLL_S)
         swept = time.monotonic()
         while not self._stop.is_set():
@@ -106,8 +128,21 @@ class Node:
                 self.agent.fence(self.agent.now_ms())
                 _return_free_memory()
                 swept = time.monotonic()
-        listener.close()
-        return self.drain()
+
+    def stop(self) -> None:
+        """Asks the node to stop accepting, as a first SIGTERM does (for a node run in-process)."""
+        self._stop.set()
+
+    def close(self, timeout: float) -> list[str]:
+        """Hangs up every connection still open and waits up to `timeout` s for their threads
+        (after `accept_until_stopped` has returned); the names of the threads still running.
+        For a node run inside another program, where no process exit ends them."""
+        for sock in self.admission.handles():
+            _hang_up(sock)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self._threads if t.is_alive()]
 
     def stopping(self) -> bool:
         """Whether a signal asked the node to stop."""
@@ -119,7 +154,7 @@ class Node:
 
     def _on_signal(self, signum, _frame) -> None:
         self._signals += 1
-        self._stop.set()
+        self.stop()
 
     def _accept_one(self, listener: socket.socket) -> None:
         try:
@@ -135,19 +170,22 @@ class Node:
         decision = self.admission.admit(addr[0], sock)
         for gone in decision.evicted:
             log.debug(f"let go of a connection from {gone.source} still in its handshake, for a newer one")
-            _hang_up(gone)
+            _hang_up(gone.handle)
         if decision.ticket is None:
             log.debug(f"closed a connection from {peer}: {self.admission.limits.max_connections} connections open")
             sock.close()
             return
         log.debug(f"accepted a connection from {peer}")
+        self._threads = [t for t in self._threads if t.is_alive()]
         try:
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._serve_connection,
                 args=(decision.ticket, self.agent.connection(), sock, peer),
                 name=f"node-conn {peer}",
                 daemon=True,
-            ).start()
+            )
+            thread.start()
+            self._threads.append(thread)
         except (RuntimeError, MemoryError) as e:
             # Out of threads or memory (a container's pids or memory limit): this connection
             # goes, the node stays.
@@ -157,27 +195,31 @@ class Node:
             time.sleep(POLL_S)
 
     def _serve_connection(self, ticket: int, conn: Connection, sock: socket.socket, peer: str) -> None:
+        error: BaseException | None = None
         try:
-            self._serve_admitted(ticket, conn, sock, peer)
+            error = self._serve_admitted(ticket, conn, sock, peer)
         finally:
             self.admission.release(ticket)
             sock.close()
+            if self.on_connection_end is not None:
+                self.on_connection_end(peer, error)
 
-    def _serve_admitted(self, ticket: int, conn: Connection, sock: socket.socket, peer: str) -> None:
+    def _serve_admitted(self, ticket: int, conn: Connection, sock: socket.socket, peer: str) -> BaseException | None:
+        """Serves the connection; None or the error that ended it."""
         try:
             if not self._speaks(sock):
                 log.warning(f"dropped a connection from {peer}: it sent nothing in {FIRST_BYTE_S:g} s")
                 self.observer.ended(peer, None)
-                return
+                return None
             endpoint = self._open(sock)
         except Unauthorized as e:
             self.observer.ended(peer, e)
             say(f"refused {peer}: its fleet token differs")
-            return
+            return e
         except Exception as e:  # noqa: BLE001 - one line per failed connection, never more
             self.observer.ended(peer, e)
             self._ended(ticket, peer, f"a connection from {peer} failed its setup: {describe(e, peer)}")
-            return
+            return e
         error: BaseException | None = None
         try:
             with self._recording(endpoint, peer):
@@ -194,6 +236,7 @@ class Node:
             log.debug("the connection's traceback", exc_info=True)
         finally:
             self.observer.ended(peer, error)
+        return error
 
     def _hello(self, ticket: int, peer: str) -> None:
         self.admission.hello(ticket)
@@ -273,10 +316,10 @@ def _return_free_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def _hang_up(entry: Entry[socket.socket]) -> None:
+def _hang_up(sock: socket.socket) -> None:
     """Ends a connection another thread is serving: its read wakes and finds the link closed."""
     try:
-        entry.handle.shutdown(socket.SHUT_RDWR)
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
 

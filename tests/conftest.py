@@ -1,5 +1,6 @@
-"""Shared fixtures: a node agent served on an ephemeral loopback port, one thread per
-connection, as `superfluid-noded` serves it; stopped and joined after each test."""
+"""Shared fixtures: a node agent served on an ephemeral loopback port by the product's own
+accept loop (`noded.Node`), one thread per connection, as `superfluid-noded` serves it; stopped
+and joined after each test."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import queue
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,31 +16,58 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from linkf.driver import Endpoint  # noqa: E402
-from linkf.secure import NoiseRole  # noqa: E402
 from nodeagent.agent import NodeAgent  # noqa: E402
+from nodeagent.cli import Options  # noqa: E402
 from nodeagent.daemon import Daemon  # noqa: E402
 from nodeagent.engine.mock import MockDaemon  # noqa: E402
+from nodeagent.noded import Node  # noqa: E402
+from nodeagent.observe import NodeObserver, Observers  # noqa: E402
 
 JOIN_TIMEOUT = 5.0
 
 
+class PlainLinkNode(Node):
+    """The seed's link: the token rides in HELLO only, no Noise under it. No mode of the
+    product (a token there always means Noise); kept to test the agent's own HELLO check."""
+
+    def _open(self, sock: socket.socket) -> Endpoint:
+        return Endpoint.from_tcp(sock)
+
+
+class Opened(NodeObserver):
+    """The peers of the connections whose HELLO was answered, in order."""
+
+    def __init__(self) -> None:
+        self.peers: list[str] = []
+
+    def connection_opened(self, peer: str) -> None:
+        self.peers.append(peer)
+
+
 @dataclass
 class ServedNode:
-    """A node listening on `addr`; `outcomes` gets, per connection that ended, None or the
-    exception its `serve` raised."""
+    """`node` accepting on `addr` on a thread of the test's; `outcomes` gets, per connection
+    that ended, None or the exception its `serve` raised."""
 
-    agent: NodeAgent
-    daemon: Daemon
+    node: Node
     addr: str
-    auth: bytes
-    noise: bool
-    outcomes: queue.Queue = field(default_factory=queue.Queue)
-    accepts: int = 0
-    _listener: socket.socket | None = None
-    _accept: threading.Thread | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-    _socks: list[socket.socket] = field(default_factory=list)
+    listener: socket.socket
+    opened_peers: Opened
+    outcomes: queue.Queue
+    accepting: threading.Thread
+
+    @property
+    def agent(self) -> NodeAgent:
+        return self.node.agent
+
+    @property
+    def daemon(self) -> Daemon:
+        return self.node.daemon
+
+    @property
+    def opened(self) -> int:
+        """How many connections got past their HELLO."""
+        return len(self.opened_peers.peers)
 
     def outcome(self, timeout: float = 5.0) -> BaseException | None:
         """How the next connection to end ended (None: without an error)."""
@@ -48,50 +76,15 @@ class ServedNode:
         except queue.Empty:
             raise AssertionError(f"no connection of the node ended within {timeout} s") from None
 
-    def serve(self) -> None:
-        self._listener.settimeout(0.05)
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            sock.settimeout(None)
-            self.accepts += 1
-            self._socks.append(sock)
-            t = threading.Thread(target=self._connection, args=(sock,), name="test-node-conn", daemon=True)
-            self._threads.append(t)
-            t.start()
-
-    def _connection(self, sock: socket.socket) -> None:
-        outcome = None
-        try:
-            if self.noise:
-                ep = Endpoint.from_tcp_secure(sock, self.auth, NoiseRole.Responder, self.agent.handshake_timeout)
-            else:
-                ep = Endpoint.from_tcp(sock)
-            self.agent.connection().serve(ep)
-        except Exception as e:  # what the CLI would log with the peer
-            outcome = e
-        finally:
-            sock.close()
-            self.outcomes.put(outcome)
-
     def stop(self) -> None:
-        """Stops accepting, hangs up every connection and joins every thread it started."""
-        self._stop.set()
-        self._accept.join(JOIN_TIMEOUT)
-        self._listener.close()
-        for sock in self._socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for t in self._threads:
-            t.join(JOIN_TIMEOUT)
+        """Stops accepting, hangs up every connection and joins every thread the node started."""
+        self.node.stop()
+        self.accepting.join(JOIN_TIMEOUT)
+        self.listener.close()
+        stuck = self.node.close(JOIN_TIMEOUT)
         self.daemon.close()
-        stuck = [t.name for t in [self._accept, *self._threads] if t.is_alive()]
+        if self.accepting.is_alive():
+            stuck.append(self.accepting.name)
         assert not stuck, f"node threads still running after stop: {stuck}"
 
 
@@ -113,24 +106,34 @@ def start_node():
         identity: str = "node-a",
         model: str = "mock",
     ) -> ServedNode:
-        daemon = daemon if daemon is not None else MockDaemon()
-        agent = (
-            NodeAgent(daemon, identity, model)
-            .with_max_lanes(max_lanes)
-            .with_timeouts(handshake_s, idle_s)
-            .with_auth(auth)
+        opts = Options(
+            model_name=model,
+            max_batch=max_lanes,
+            handshake_timeout_ms=round(handshake_s * 1000),
+            idle_timeout_ms=round(idle_s * 1000),
+        )
+        opened, outcomes = Opened(), queue.Queue()
+        kind = PlainLinkNode if noise is False else Node
+        node = kind(
+            daemon if daemon is not None else MockDaemon(),
+            opts,
+            auth,
+            identity,
+            Observers(opened),
+            on_connection_end=lambda _peer, error: outcomes.put(error),
         )
         listener = socket.create_server(("127.0.0.1", 0))
-        addr = "127.0.0.1:%d" % listener.getsockname()[1]
-        node = ServedNode(agent, daemon, addr, auth, bool(auth) if noise is None else noise, _listener=listener)
-        node._accept = threading.Thread(target=node.serve, name="test-node-accept", daemon=True)
-        node._accept.start()
-        nodes.append(node)
-        return node
+        accepting = threading.Thread(
+            target=node.accept_until_stopped, args=(listener,), name="test-node-accept", daemon=True
+        )
+        served = ServedNode(node, f"127.0.0.1:{listener.getsockname()[1]}", listener, opened, outcomes, accepting)
+        accepting.start()
+        nodes.append(served)
+        return served
 
     yield start
-    for node in nodes:
-        node.stop()
+    for served in nodes:
+        served.stop()
 
 
 @pytest.fixture

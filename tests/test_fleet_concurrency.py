@@ -68,7 +68,7 @@ def test_concurrent_generations_on_one_node_use_a_connection_each(start_node):
     jobs = [one_generation(node.addr, s + 1, prompt, 32, connect_first=True) for s in range(4)]
     for got in run_all(jobs):
         assert got == mock_tokens(prompt, 32), "every concurrent generation is served"
-    assert node.accepts == 4
+    assert node.opened == 4
 
 
 def test_eight_connections_with_four_generations_each_leave_nothing_behind(start_node):

@@ -68,7 +68,7 @@ def test_streams_survive_nodes_dropping_idle_connections(start_node):
     finally:
         for h in heads:
             h.close()
-    assert a.accepts == b.accepts == 8, "each connection was dropped once and opened again once"
+    assert a.opened == b.opened == 8, "each connection was dropped once and opened again once"
 
 
 def test_tending_keeps_idle_connections_open(start_node):
@@ -80,7 +80,7 @@ def test_tending_keeps_idle_connections_open(start_node):
             head.keepalive()
             head.idle(0.05)
         assert _stream(head, 2, [1, 2, 3, 2]) == mock_tokens([1, 2, 3, 2], 8)
-    assert node.accepts == 1, "the tended connection was kept, not reopened"
+    assert node.opened == 1, "the tended connection was kept, not reopened"
 
 
 def test_a_session_appended_after_an_idle_drop_is_bound_on_the_new_connection(start_node):
@@ -109,7 +109,7 @@ def test_the_handshake_names_the_node_its_window_and_lanes(start_node):
     finally:
         for h in heads:
             h.close()
-    assert node.accepts == 4, "one connection per lane, each reused"
+    assert node.opened == 4, "one connection per lane, each reused"
 
 
 def test_a_key_mismatch_is_refused(start_node):

@@ -52,7 +52,7 @@ def node_in_process():
     node = Node(MockDaemon(), Options(listen="127.0.0.1:0", runtime="mock"), b"", "in-process")
     served = background(lambda: node.serve_until_signalled(listener), timeout=10)
     yield node, "127.0.0.1:%d" % listener.getsockname()[1]
-    node._stop.set()
+    node.stop()
     assert served() == 0
 
 
