@@ -365,16 +365,16 @@ class FleetHead:
     def _handle(self, message: Message) -> Received:
         """Keeps and acts on `message`; a head reads every payload, so one that does not decode
         is `Payload` here, whatever its type."""
-        frame, msg = message.frame, message.msg
-        got = Received(time.monotonic(), frame, msg)
+        msg = message.msg
+        got = Received(time.monotonic(), message, msg)
         self.received.append(got)
-        if frame.msg_type == msg_type.TOKEN_EVENTS:
+        if message.msg_type == msg_type.TOKEN_EVENTS:
             self._on_events(msg)
-        elif frame.msg_type == msg_type.LEASE_RENEW and self.grant_renewals:
+        elif message.msg_type == msg_type.LEASE_RENEW and self.grant_renewals:
             grant = self.session.on_lease_renew(msg)
             if grant is not None:
                 self.endpoint.send(msg_type.LEASE_GRANT, grant)
-        elif frame.msg_type == msg_type.STAGE_FORWARD_RESP:
+        elif message.msg_type == msg_type.STAGE_FORWARD_RESP:
             self.stage_answers[msg.request_id] = msg
         return got
 

@@ -12,9 +12,9 @@ its next deadline, whichever comes first. Writes go out on a non-blocking socket
 takes no bytes for the write timeout is ``TimedOut``, and the endpoint is unusable from then on
 (a frame may have left in part).
 
-What it receives comes back as ``Message``s, the frames with their payloads decoded as the
-catalog's types on first read (``message.py`` says why not sooner): ``send`` takes a message
-and ``pump`` gives messages, so no caller decodes a payload itself.
+What it receives comes back as ``Message``s, frames whose payloads decode as the catalog's
+types on first read (``message.py`` says why not sooner): ``send`` takes a message and ``pump``
+gives messages, so no caller decodes a payload itself.
 
 One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it.
 """
@@ -109,7 +109,7 @@ class Endpoint:
     def __init__(self, stream: _Plain | SecureStream, peer: str) -> None:
         self._io = stream
         self.peer = peer
-        self._decoder = FrameDecoder(is_known_type)
+        self._decoder = FrameDecoder(is_known_type, frame_type=Message)
         self._holding = PROCESS_BUDGET.holding()
         self._pending: deque[Message] = deque()
         #: Called with ("sent" or "received", frame) for every frame that passes, payloads in
@@ -388,10 +388,11 @@ class Endpoint:
         """A message for each whole frame the decoder holds."""
         messages = []
         try:
-            while (frame := self._decoder.decode_next()) is not None:
-                messages.append(Message(frame, self.peer))
+            while (message := self._decoder.decode_next()) is not None:
+                message.peer = self.peer
+                messages.append(message)
                 if self.recorder is not None:
-                    self.recorder("received", frame)
+                    self.recorder("received", message)
         except EnvelopeError as e:
             raise Envelope(str(e), peer=self.peer) from e
         if not self._holding.hold(self._decoder.incomplete()):
@@ -410,7 +411,7 @@ class Endpoint:
             messages = deque(self.pump(left))
             while messages:
                 message = messages.popleft()
-                if message.frame.class_ == FrameClass.DROPPABLE:
+                if message.class_ == FrameClass.DROPPABLE:
                     continue
                 if message.msg_type != wanted:
                     raise Protocol(reason, peer=self.peer)

@@ -1,4 +1,4 @@
-"""What an ``Endpoint`` hands back for each frame it receives: the frame and its payload as the
+"""What an ``Endpoint`` hands back for each frame it receives: the frame, with its payload as the
 catalog's message type, the receiving twin of ``Endpoint.send`` taking a message.
 
 The payload is decoded on the first read of ``Message.msg``, not when the frame arrives. The
@@ -9,6 +9,10 @@ decode costs the peer nothing; decoding every frame in ``pump`` would turn that 
 it, as before, and what fails to decode fails here, one way, for every caller. Types outside
 the catalog never reach a ``Message``: the envelope decoder skips an unknown droppable type and
 refuses an unknown required one (linkf-wire.md §1).
+
+A ``Message`` is a ``Frame`` (its envelope fields and raw ``payload``, as transcripts keep them),
+built by the endpoint's ``FrameDecoder`` in place of one: ``pump`` is on every connection's hot
+path, and a wrapper around each frame cost a second object per frame.
 """
 
 from __future__ import annotations
@@ -25,35 +29,23 @@ from .errors import Payload
 _UNREAD: Any = object()
 
 
-class Message:
-    """A received frame (``frame``: its envelope fields and raw ``payload``, as transcripts
-    keep them) and ``msg``, its payload decoded as the class the catalog gives its
+class Message(Frame):
+    """A received frame and ``msg``, its payload decoded as the class the catalog gives its
     ``msg_type`` (a ``TokenEventsMsg``, a ``LeaseGrantMsg``, ...), decoded once."""
 
-    __slots__ = ("frame", "peer", "_msg")
-
-    def __init__(self, frame: Frame, peer: str | None = None) -> None:
-        self.frame = frame
-        #: Who sent it, for the error a payload that does not decode raises.
-        self.peer = peer
-        self._msg = _UNREAD
-
-    @property
-    def msg_type(self) -> int:
-        return self.frame.msg_type
+    #: Who sent it, named by the error a payload that does not decode raises; the endpoint
+    #: sets it on each message it hands back.
+    peer: str | None = None
+    _msg: Any = _UNREAD
 
     @property
     def msg(self) -> Any:
         """The payload decoded; ``Payload`` when it does not decode as its type."""
         msg = self._msg
         if msg is _UNREAD:
-            t = self.frame.msg_type
+            t = self.msg_type
             try:
-                msg = self._msg = decode_payload(t, self.frame.payload)
+                msg = self._msg = decode_payload(t, self.payload)
             except PostcardError as e:
                 raise Payload(f"{type_name(t)} (0x{t:04x}): {e}", peer=self.peer) from e
         return msg
-
-    def __repr__(self) -> str:
-        f = self.frame
-        return f"Message({type_name(f.msg_type)}, seq={f.seq}, {len(f.payload)} payload bytes)"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from struct import Struct
 from struct import error as StructError
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar, overload
 
 MAX_FRAME = 16 * 1024 * 1024
 DROPPABLE_BIT = 0x8000
@@ -132,24 +132,39 @@ def foreign_protocol(first: bytes | bytearray | memoryview) -> str | None:
     return None
 
 
-class FrameDecoder:
+#: What a `FrameDecoder` builds each frame as: `Frame` or a subclass of it.
+F = TypeVar("F", bound=Frame)
+
+
+class FrameDecoder(Generic[F]):
     """Splits a byte stream into frames, however it is cut into `feed` calls.
 
     `is_known(msg_type)` says which types this link speaks: an unknown required type is a
     protocol error, an unknown droppable one is skipped. `max_frame` is the longest frame
     accepted; a reader lowers it while only a small frame is legal (before HELLO).
+    `frame_type` is the class each frame is built as, `Frame` or a subclass of it (Link F's
+    endpoint builds its messages here, so a frame is built once).
     """
 
-    def __init__(self, is_known: Callable[[int], bool], max_frame: int = MAX_FRAME) -> None:
+    @overload
+    def __init__(self: "FrameDecoder[Frame]", is_known: Callable[[int], bool], max_frame: int = MAX_FRAME) -> None: ...
+
+    @overload
+    def __init__(self, is_known: Callable[[int], bool], max_frame: int = MAX_FRAME, *, frame_type: type[F]) -> None: ...
+
+    def __init__(
+        self, is_known: Callable[[int], bool], max_frame: int = MAX_FRAME, frame_type: Callable[..., Any] = Frame
+    ) -> None:
         self._is_known = is_known
         self.max_frame = max_frame
+        self._frame_type: Callable[..., F] = frame_type
         self._buf = bytearray()
         self._pos = 0
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
 
-    def decode_next(self) -> Frame | None:
+    def decode_next(self) -> F | None:
         """The next whole frame, or None until more bytes arrive."""
         while True:
             frame = self._take_frame()
@@ -179,7 +194,7 @@ class FrameDecoder:
         if self.buffered():
             raise Truncated(self.buffered())
 
-    def _take_frame(self) -> Frame | None | Literal[_Skipped.SKIPPED]:
+    def _take_frame(self) -> F | None | Literal[_Skipped.SKIPPED]:
         """The next frame, None, or `_SKIPPED` for an unknown droppable one, consumed."""
         buf, pos = self._buf, self._pos
         if len(buf) - pos < 4:
@@ -203,7 +218,7 @@ class FrameDecoder:
             if expected == FrameClass.REQUIRED:
                 raise UnknownRequiredType(msg_type)
             return _SKIPPED
-        return Frame(version, msg_type, seq, correlation_id, expected, payload)
+        return self._frame_type(version, msg_type, seq, correlation_id, expected, payload)
 
     def _consume(self, end: int) -> None:
         if end == len(self._buf):

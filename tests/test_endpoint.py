@@ -41,12 +41,11 @@ def test_hello_both_ways_then_frames_carry_seq_and_version(make):
     assert head.version() == node.version() == 3
     head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=7, epoch=2))
     (message,) = messages_until(node, msg_type.LEASE_RENEW)
-    frame = message.frame
-    assert (frame.seq, frame.proto_version, frame.correlation_id) == (2, 3, 0), "HELLO was seq 1"
+    assert (message.seq, message.proto_version, message.correlation_id) == (2, 3, 0), "HELLO was seq 1"
     assert message.msg == LeaseRenewMsg(session_id=7, epoch=2)
     node.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"x"))
     (message,) = messages_until(head, msg_type.TELEMETRY)
-    assert message.frame.seq == 2 and message.frame.class_ == FrameClass.DROPPABLE
+    assert message.seq == 2 and message.class_ == FrameClass.DROPPABLE
     assert message.msg == TelemetryMsg(spans=b"x")
     assert "unix" in node.peer or "127.0.0.1:" in node.peer
 
@@ -137,7 +136,7 @@ def test_a_payload_is_decoded_when_read_so_an_unread_bad_one_costs_nothing():
     head.send_payload(msg_type.POLICY_UPDATE, b"\x01\xff")  # its `envelope` length runs past the end
     head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))
     bad, good = messages_until(node, msg_type.LEASE_RENEW)
-    assert bad.msg_type == msg_type.POLICY_UPDATE and bad.frame.payload == b"\x01\xff"
+    assert bad.msg_type == msg_type.POLICY_UPDATE and bad.payload == b"\x01\xff"
     assert good.msg is good.msg == LeaseRenewMsg(session_id=3, epoch=1), "decoded once"
     with pytest.raises(Payload, match=r"POLICY_UPDATE \(0x0007\)") as raised:
         _ = bad.msg
