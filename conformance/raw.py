@@ -12,9 +12,10 @@ import socket
 import time
 
 from linkf.errors import Closed, TimedOut
+from linkf.message import Message
 from linkf.secure import NoiseRole, SecureStream, key_from
 from proto import postcard
-from proto.envelope import FRAME_HEAD, HEADER_LEN, EnvelopeError, Frame, FrameDecoder
+from proto.envelope import FRAME_HEAD, HEADER_LEN, EnvelopeError, FrameDecoder
 from proto.handshake import Hello, HelloAckF, LinkRole
 from proto.linkf import is_known_type, msg_type
 
@@ -70,7 +71,7 @@ class RawLink:
     def __init__(self, sock: socket.socket, secure: SecureStream | None) -> None:
         self.sock = sock
         self._secure = secure
-        self._decoder = FrameDecoder(is_known_type)
+        self._decoder = FrameDecoder(is_known_type, frame_type=Message)
         self._seq = 1
 
     @classmethod
@@ -101,13 +102,13 @@ class RawLink:
         while True:
             for frame in self.read(max(deadline - time.monotonic(), 0.001)):
                 if frame.msg_type == msg_type.HELLO_ACK_F:
-                    return postcard.from_bytes(HelloAckF, frame.payload)
+                    return frame.msg
             if time.monotonic() >= deadline:
                 raise TimedOut("no HELLO_ACK_F")
 
-    def read(self, timeout: float) -> list[Frame]:
-        """The frames one read brings within `timeout` (maybe none); Closed once the node hung
-        up, or sent bytes that are no frame."""
+    def read(self, timeout: float) -> list[Message]:
+        """The frames one read brings within `timeout` (maybe none), as an endpoint's messages;
+        Closed once the node hung up, or sent bytes that are no frame."""
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
         if not poller.poll(max(int(timeout * 1000), 1)):
