@@ -1,9 +1,10 @@
 """Fault doubles for the conformance kit: a proxy in front of a real node that breaks exactly one
 rule of the protocol, so a test can check the kit's suite reports it, and by the right scenario.
 
-The proxy splits both directions into frames (plain links only) and hands each to its `Fault`,
-which returns the frames to pass on; bytes that are no frame (the suite's bad input) pass as they
-are. `tick` lets a fault send something of its own accord.
+The proxy splits both directions into frames (plain links only; each a `Message`, its payload
+decoded on reading `msg`) and hands each to its `Fault`, which returns the frames to pass on;
+bytes that are no frame (the suite's bad input) pass as they are. `tick` lets a fault send
+something of its own accord.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import threading
 import time
 
 from conformance.raw import split_addr
+from linkf.message import Message
 from proto import postcard
 from proto.envelope import EnvelopeError, Frame, FrameDecoder, encode_frame
-from proto.linkf import TokenEvent, TokenEventPayload, TokenEventsMsg, decode_payload, msg_type
+from proto.linkf import TokenEvent, TokenEventPayload, TokenEventsMsg, msg_type
 
 DECLINED = 2**32 - 3
 TICK_S = 0.05
@@ -70,7 +72,7 @@ class NeverFinishes(Fault):
     def from_node(self, link, frame):
         if frame.msg_type != msg_type.TOKEN_EVENTS:
             return [frame]
-        events = [e for e in decode_payload(frame.msg_type, frame.payload).events
+        events = [e for e in frame.msg.events
                   if not isinstance(e.payload, TokenEventPayload.Finish)]
         return [events_frame(frame, events)] if events else []
 
@@ -82,7 +84,7 @@ class ReusesEventSeq(Fault):
         if frame.msg_type != msg_type.TOKEN_EVENTS:
             return [frame]
         events = [dataclasses.replace(e, event_seq=e.event_seq - 1) if e.event_seq >= 1 else e
-                  for e in decode_payload(frame.msg_type, frame.payload).events]
+                  for e in frame.msg.events]
         return [events_frame(frame, events)]
 
 
@@ -93,7 +95,7 @@ class WrongToken(Fault):
         if frame.msg_type != msg_type.TOKEN_EVENTS:
             return [frame]
         events = []
-        for e in decode_payload(frame.msg_type, frame.payload).events:
+        for e in frame.msg.events:
             if e.event_seq == 0 and isinstance(e.payload, TokenEventPayload.Tokens) and e.payload.tokens:
                 tokens = [(e.payload.tokens[0] + 1) % 32000, *e.payload.tokens[1:]]
                 e = dataclasses.replace(e, payload=TokenEventPayload.Tokens(tokens=tokens))
@@ -114,7 +116,7 @@ class DropsOnDecline(Fault):
     def from_node(self, link, frame):
         if frame.msg_type == msg_type.TOKEN_EVENTS and any(
             isinstance(e.payload, TokenEventPayload.Finish) and e.payload.reason == DECLINED
-            for e in decode_payload(frame.msg_type, frame.payload).events
+            for e in frame.msg.events
         ):
             link.close()
             return []
@@ -130,7 +132,7 @@ class TokensAfterFence(Fault):
         self.version = 3
 
     def from_head(self, link, frame):
-        msg = decode_payload(frame.msg_type, frame.payload) if frame.msg_type in (
+        msg = frame.msg if frame.msg_type in (
             msg_type.SESSION_ASSIGN, msg_type.LEASE_GRANT) else None
         if frame.msg_type == msg_type.SESSION_ASSIGN and msg.lease.duration_ms < 5_000:
             self.expiry[msg.session_id] = time.monotonic() + msg.lease.duration_ms / 1000
@@ -141,7 +143,7 @@ class TokensAfterFence(Fault):
     def from_node(self, link, frame):
         self.version = frame.proto_version
         if frame.msg_type == msg_type.TOKEN_EVENTS:
-            for e in decode_payload(frame.msg_type, frame.payload).events:
+            for e in frame.msg.events:
                 self.last[e.session_id] = e
         return [frame]
 
@@ -166,7 +168,7 @@ class RetransmitsAcked(Fault):
 
     def from_node(self, link, frame):
         if frame.msg_type == msg_type.TOKEN_EVENTS:
-            for e in decode_payload(frame.msg_type, frame.payload).events:
+            for e in frame.msg.events:
                 self.sent.setdefault((e.session_id, e.epoch, e.generation_id), {})[e.event_seq] = e
         if frame.msg_type == msg_type.RECONCILE_ACK and self.acked is not None:
             return [frame, events_frame(frame, [self.acked])]
@@ -174,7 +176,7 @@ class RetransmitsAcked(Fault):
 
     def from_head(self, link, frame):
         if frame.msg_type == msg_type.WATERMARK_ACK:
-            ack = decode_payload(frame.msg_type, frame.payload)
+            ack = frame.msg
             sent = self.sent.get((ack.session_id, ack.epoch, ack.generation_id), {})
             self.acked = sent.get(ack.watermark, self.acked)
         return [frame]
@@ -218,7 +220,7 @@ class FaultProxy:
         self._relay(link, link.node, link.head, self.fault.from_node, link.to_head, tick=True)
 
     def _relay(self, link: Link, src: socket.socket, dst: socket.socket, hook, out, tick: bool) -> None:
-        decoder: FrameDecoder | None = FrameDecoder(lambda t: True)
+        decoder: FrameDecoder | None = FrameDecoder(lambda t: True, frame_type=Message)
         pending = bytearray()  # what came in and has not left as a frame yet
         try:
             while not link.closed.is_set():
