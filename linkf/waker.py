@@ -3,7 +3,9 @@
 A connection's loop waits in one ``poll`` for the head's bytes, a worker's output and its next
 deadline together: a worker calls ``set`` after handing something over, and the loop calls
 ``clear`` before it looks at what was handed over. ``set`` writes only when the waker is not
-already set, so a worker handing over many batches makes one system call, not one each.
+already set, so a worker handing over many batches makes one system call, not one each, and
+``clear`` reads only when it is set, so a pass the head's bytes woke makes none: each system
+call lets go of the GIL, and getting it back is what a busy engine thread pays for.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class Waker:
         self._set = False
         self._closed = False
         # A worker may outlive its connection: `set` and `close` take turns, so a late `set`
-        # never writes into a descriptor number the process has handed to someone else.
+        # never writes into a descriptor number the process has handed to someone else; `set`
+        # and `clear` take turns too, so the flag never disagrees with the descriptor.
         self._lock = threading.Lock()
 
     def fileno(self) -> int:
@@ -36,26 +39,30 @@ class Waker:
     def set(self) -> None:
         """Makes the waker readable. Called after the hand-over, so the loop that clears it
         next is sure to see what was handed over."""
-        if self._set:
+        if self._set:  # the byte is written or being written: the next `clear` takes it
             return
-        self._set = True
         with self._lock:
-            if self._closed:
+            if self._set or self._closed:
                 return
+            self._set = True
             try:
                 os.write(self._write, _ONE)
             except OSError:
                 pass
 
     def clear(self) -> None:
-        """Drains the waker; call it before looking at what workers handed over. It always
-        reads: a `set` caught between its flag and its write leaves a byte behind."""
-        self._set = False
-        try:
-            while os.read(self._read, 8):
+        """Drains the waker; call it before looking at what workers handed over. The flag and
+        the byte change together under the lock, so the flag says whether there is a byte."""
+        if not self._set:
+            return
+        with self._lock:
+            if not self._set or self._closed:
+                return
+            self._set = False
+            try:
+                os.read(self._read, 4096)  # an eventfd's whole count, or a pipe's one byte
+            except OSError:
                 pass
-        except OSError:
-            pass
 
     def close(self) -> None:
         with self._lock:

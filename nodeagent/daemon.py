@@ -66,11 +66,22 @@ def check_stream(stream: Sequence[int], max_context: int) -> None:
 class Consumer(Protocol):
     """Where a generation's tokens go, seen from the engine: a consumer that is `behind` would
     block the next `on_tokens`, so an engine may give the generation's lane to another until
-    `wait_room` says it can move again."""
+    `wait_room` says it can move again.
+
+    An engine that batches on a thread of its own may hand each batch to `offer` from that
+    thread instead of passing it back to the caller's thread for `on_tokens`: one thread wake
+    less per token, which is what lets the wire keep up with a batched decode. `offer` never
+    blocks, so such an engine looks at `behind` before producing more; every batch must be
+    offered, in order, before the call returns."""
 
     def behind(self) -> bool: ...
 
     def wait_room(self, timeout: float) -> bool: ...
+
+    def offer(self, batch: list[int]) -> bool:
+        """Takes `batch` without waiting, even past the bound; False once the generation is
+        cancelled, which takes nothing."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,8 @@ class Daemon(abc.ABC):
         extras: GenExtras,
         on_tokens: OnTokens,
     ) -> GenerationResult:
-        """Generate up to `max_tokens` after `stream`, handing each batch to `on_tokens`.
+        """Generate up to `max_tokens` after `stream`, handing each batch to `on_tokens` (or
+        to `extras.consumer.offer`: see `Consumer`).
 
         `deadline_ms` is a wall budget from the call (0 = none): past it the call returns
         `GenerationResult([], finish.NONE, expired=True)`. `on_tokens` returning False returns at

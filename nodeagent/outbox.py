@@ -25,13 +25,22 @@ _CANCEL_CHECK = 0.05
 
 
 class _Batches(queue.Queue):
-    """A bounded `queue.Queue` that can also wait for room without putting anything."""
+    """A `queue.Queue` whose bound the worker's side keeps (`wait_room`) and an engine's
+    `offer` may pass: the queue itself never refuses a put."""
 
-    def wait_not_full(self, timeout: float) -> bool:
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def full(self) -> bool:
+        return self.qsize() >= self.capacity
+
+    def wait_room(self, timeout: float) -> bool:
+        """Waits up to `timeout` for a free place; `get` notifies `not_full` whatever the bound."""
         with self.not_full:
-            if self._qsize() >= self.maxsize:
+            if self._qsize() >= self.capacity:
                 self.not_full.wait(timeout)
-            return self._qsize() < self.maxsize
+            return self._qsize() < self.capacity
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class Outbox:
     """One generation's batches on their way to the loop, then its `Done`."""
 
     def __init__(self, waker: Waker, cancel: threading.Event, capacity: int = OUTBOX_BATCHES) -> None:
-        self._queue = _Batches(maxsize=capacity)
+        self._queue = _Batches(capacity)
         self._waker = waker
         self._cancel = cancel
         #: The loop's side: what `take` pulled beyond its limit, sent first next time.
@@ -64,22 +73,29 @@ class Outbox:
         """Hands over the end, after every batch; dropped once the loop has let go."""
         self._hand_over(Done(generated), self._released)
 
+    def offer(self, batch: list[int]) -> bool:
+        """Hands `batch` over at once, full or not (an engine's own thread must never block
+        here; it looks at `behind` before each step instead); False once cancelled."""
+        if self._cancel.is_set():
+            return False
+        self._queue.put(batch)
+        self._waker.set()
+        return True
+
     def behind(self) -> bool:
         """The loop has not taken what was handed over: the next `put` would wait."""
         return self._queue.full()
 
     def wait_room(self, timeout: float) -> bool:
         """Waits up to `timeout` seconds for the loop to take something; True once it has."""
-        return self._queue.wait_not_full(timeout)
+        return self._queue.wait_room(timeout)
 
     def _hand_over(self, item: list[int] | Done, give_up: threading.Event) -> bool:
         while not give_up.is_set():
-            try:
-                self._queue.put(item, timeout=_CANCEL_CHECK)
-            except queue.Full:
-                continue
-            self._waker.set()
-            return True
+            if self._queue.wait_room(_CANCEL_CHECK):
+                self._queue.put(item)
+                self._waker.set()
+                return True
         return False
 
     # The loop's side

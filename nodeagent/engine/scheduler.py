@@ -1,7 +1,8 @@
 """Continuous batching on one thread: every step runs ONE forward for all decoding lanes.
 
-Callers submit a `Generation` and read its `out` queue; only this thread touches the lanes,
-the KV pool and the model's KV writes. A prompt is prefilled in chunks between decode steps so
+Callers submit a `Generation` and read its `out` queue, or give it a consumer that this thread
+hands each token to directly; only this thread touches the lanes, the KV pool and the model's
+KV writes. A prompt is prefilled in chunks between decode steps so
 a long prompt never stalls the lanes already running.
 
 KV blocks are taken on demand: a generation is admitted with the blocks of its prompt (less
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from nodeagent import finish
-from nodeagent.daemon import QOS_CLASSES, GenerationError, SchedStats
+from nodeagent.daemon import QOS_CLASSES, Consumer, GenerationError, SchedStats
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
 from nodeagent.engine.model import LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
@@ -41,7 +42,8 @@ QUEUED, RUNNING, DONE = "queued", "running", "done"
 #: `Generation.admitted` before its first admission: after every admitted one.
 NOT_ADMITTED = sys.maxsize
 
-#: Messages on `Generation.out`: ("token", id), ("done", finish code), ("error", message).
+#: Messages on `Generation.out`: ("token", id), ("done", finish code), ("error", message); a
+#: generation with a consumer gets no "token" messages there, its tokens go to the consumer.
 TOKEN, END, ERROR = "token", "done", "error"
 #: Tokens a generation's caller may leave untaken before its lane stops decoding: a head that
 #: stops reading holds the lane (until its connection is dropped) but no growing memory.
@@ -60,12 +62,14 @@ class Generation:
         deadline: float | None,
         qos: int,
         sampler: LaneSampler,
+        consumer: Consumer | None = None,
     ):
         self.stream = stream
         self.budget = budget
         self.deadline = deadline
         self.qos = qos
         self.sampler = sampler
+        self.consumer = consumer
         self.out: queue.Queue = queue.Queue()
         self.cancelled = False
         self.state = QUEUED
@@ -113,8 +117,19 @@ class Generation:
         return self.deadline is not None and now >= self.deadline
 
     def held_back(self) -> bool:
-        """Its caller has left `BACKLOG_TOKENS` tokens untaken: decoding more only piles up."""
+        """Its caller (or consumer) has left `BACKLOG_TOKENS` tokens (or its bound) untaken:
+        decoding more only piles up."""
+        if self.consumer is not None:
+            return self.consumer.behind()
         return self.out.qsize() >= BACKLOG_TOKENS
+
+    def hand_over(self, token: int) -> None:
+        """Passes `token` on: to the consumer, which stops the generation once it refuses, or
+        to the caller reading `out`."""
+        if self.consumer is None:
+            self.out.put((TOKEN, token))
+        elif not self.consumer.offer([token]):
+            self.cancelled = True
 
 
 class Scheduler:
@@ -391,7 +406,7 @@ class Scheduler:
             self._finish(gen, finish.EOS)
             return
         gen.tokens.append(token)
-        gen.out.put((TOKEN, token))
+        gen.hand_over(token)
         if gen.produced >= gen.budget:
             self._finish(gen, finish.LENGTH)
 

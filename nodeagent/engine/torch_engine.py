@@ -1,7 +1,9 @@
 """`TorchDaemon`: the Daemon interface over a Llama-family model, a KV pool and a scheduler.
 
 The caller's thread validates, submits a `Generation`, then blocks reading its queue and calls
-`on_tokens` itself, so a slow callback never holds up the batch. Stage forwards need no cache
+`on_tokens` itself, so a slow callback never holds up the batch. A caller whose consumer takes
+batches without blocking (`Consumer.offer`) gets its tokens from the scheduler thread directly
+and its thread only waits for the end: one thread hop less per token and lane. Stage forwards need no cache
 and read only the weights, so they run on the caller's thread too, alongside the scheduler.
 """
 
@@ -145,6 +147,7 @@ class TorchDaemon(Daemon):
             deadline=deadline,
             qos=min(max(extras.qos_class, 0), QOS_CLASSES - 1),
             sampler=LaneSampler(params, self.model.device),
+            consumer=extras.consumer,
         )
         self._scheduler.submit(gen)
         try:
@@ -247,7 +250,8 @@ class TorchDaemon(Daemon):
 
 
 def _follow(gen: Generation, on_tokens: OnTokens, extras: GenExtras) -> GenerationResult:
-    """Hand `gen`'s tokens to `on_tokens` in batches until it ends, is cancelled or expires."""
+    """Hand `gen`'s tokens to `on_tokens` in batches (unless the scheduler hands them to its
+    consumer) until it ends, is cancelled or expires."""
     produced: list[int] = []
     while True:
         try:
@@ -255,7 +259,7 @@ def _follow(gen: Generation, on_tokens: OnTokens, extras: GenExtras) -> Generati
         except queue.Empty:
             return GenerationResult([], finish.NONE, expired=True)
         if message is None:
-            return GenerationResult(produced, finish.CANCELLED)
+            return GenerationResult(_handed(gen, produced), finish.CANCELLED)
         batch, end = _drain(gen.out, message)
         if batch:
             produced.extend(batch)
@@ -265,7 +269,12 @@ def _follow(gen: Generation, on_tokens: OnTokens, extras: GenExtras) -> Generati
             kind, value = end
             if kind == ERROR:
                 raise GenerationError(value)
-            return GenerationResult(produced, value)
+            return GenerationResult(_handed(gen, produced), value)
+
+
+def _handed(gen: Generation, produced: list[int]) -> list[int]:
+    """The tokens handed over so far: through `on_tokens`, or by the scheduler to the consumer."""
+    return produced if gen.consumer is None else gen.tokens[len(gen.stream) :]
 
 
 def _next_message(gen: Generation, extras: GenExtras) -> tuple | None:
