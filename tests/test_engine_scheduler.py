@@ -368,3 +368,101 @@ def test_a_lane_whose_caller_stops_taking_tokens_stops_decoding_while_others_go_
         assert wait_until(lambda: pool_empty(daemon), 5)
     finally:
         daemon.close()
+
+
+class Taker:
+    """A connection's outbox as the consumer, noting which thread offers each batch, and a
+    reader that takes what it was handed (or takes nothing while `paused`)."""
+
+    def __init__(self) -> None:
+        from linkf.waker import Waker
+        from nodeagent.outbox import Outbox
+
+        self.cancel = threading.Event()
+        self.waker = Waker()
+        self.outbox = Outbox(self.waker, self.cancel)
+        self.threads: set[str] = set()
+        self.tokens: list[int] = []
+        offer = self.outbox.offer
+
+        def noted(batch: list[int]) -> bool:
+            self.threads.add(threading.current_thread().name)
+            return offer(batch)
+
+        self.outbox.offer = noted
+
+    def take(self) -> None:
+        self.tokens += self.outbox.take(1 << 20)[0]
+
+    def extras(self) -> GenExtras:
+        return GenExtras(cancel=self.cancel, consumer=self.outbox)
+
+
+def test_a_consumer_that_takes_offers_gets_every_token_from_the_scheduler_thread(make):
+    """No hop through the caller's thread: the scheduler offers each token to the outbox, the
+    caller's `on_tokens` is never called, and the tokens are those a plain caller gets."""
+    daemon = make()
+    plain = run(daemon, prompt=(5, 6, 7), max_tokens=40)
+    taker, called = Taker(), []
+    try:
+        result = daemon.generate_tokens_streaming([5, 6, 7], GREEDY, 40, 0, taker.extras(), called.append)
+        taker.take()
+    finally:
+        taker.waker.close()
+    assert called == [], "on_tokens is not used when the consumer takes offers"
+    assert taker.threads == {"torch-scheduler"}
+    assert taker.tokens == plain.tokens == result.tokens
+    assert result.finish == plain.finish
+
+
+def test_a_consumer_that_falls_behind_holds_its_lane_back_then_gets_the_rest(make):
+    """Nobody takes from the outbox: the lane stops once the outbox is full (one token a step,
+    so at most one past the bound) while another lane runs its whole budget; taking again lets
+    it finish with every token in order."""
+    from nodeagent.outbox import OUTBOX_BATCHES
+
+    daemon = make(max_batch=2)
+    taker, ended = Taker(), threading.Event()
+
+    def held_run():
+        try:
+            return daemon.generate_tokens_streaming([9, 8], GREEDY, 200, 0, taker.extras(), lambda b: True)
+        finally:
+            ended.set()
+
+    try:
+        held = background(held_run, 60)
+        assert wait_until(lambda: taker.outbox.behind(), 10)
+        other = run(daemon, prompt=(1, 2, 3), max_tokens=150)
+        assert len(other.tokens) == 150
+        decoded = daemon.sched_stats().decode_tokens - len(other.tokens)
+        assert decoded <= OUTBOX_BATCHES + 1, f"the held lane decoded {decoded} tokens past its outbox"
+        assert not ended.is_set()
+        while not (ended.is_set() and not taker.outbox.ready()):
+            taker.take()
+            ended.wait(0.002)
+        result = held()
+    finally:
+        taker.waker.close()
+    plain = run(daemon, prompt=(9, 8), max_tokens=200)
+    assert taker.tokens == result.tokens == plain.tokens
+    assert wait_until(lambda: pool_empty(daemon))
+
+
+def test_a_consumer_that_refuses_stops_the_generation_and_frees_its_lane(make):
+    """Once the generation is cancelled the outbox refuses the next offer: the scheduler stops
+    the lane at once, the call ends CANCELLED and the pool is empty."""
+    daemon = make()
+    taker = Taker()
+    try:
+        going = background(
+            lambda: daemon.generate_tokens_streaming([3, 4], GREEDY, 10_000, 0, taker.extras(), lambda b: True), 30
+        )
+        assert wait_until(lambda: taker.outbox.ready())
+        taker.cancel.set()
+        result = going()
+    finally:
+        taker.waker.close()
+    assert result.finish == finish.CANCELLED
+    assert wait_until(lambda: pool_empty(daemon))
+    assert daemon.sched_stats().lanes_active == 0
