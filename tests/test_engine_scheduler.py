@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -466,3 +467,39 @@ def test_a_consumer_that_refuses_stops_the_generation_and_frees_its_lane(make):
     assert result.finish == finish.CANCELLED
     assert wait_until(lambda: pool_empty(daemon))
     assert daemon.sched_stats().lanes_active == 0
+
+
+def test_the_scheduler_ends_a_cancelled_generation_so_its_caller_need_not_poll(make, monkeypatch):
+    """With the caller's own look at its cancel event put off for a minute, setting the event
+    still ends a queued generation and then a running one (whose tokens go to an outbox, so
+    none wakes its caller) within a step or two: the scheduler's sweep ends them and so wakes
+    their callers."""
+    from nodeagent.engine import torch_engine
+
+    monkeypatch.setattr(torch_engine, "CANCEL_POLL_S", 60.0)
+    daemon = make(max_batch=1)
+    config_window = daemon.max_stream_tokens()
+    decode_step = daemon._scheduler._decode_step
+
+    def slow_step(gens):  # the running generation outlasts the test on any machine
+        time.sleep(0.02)
+        decode_step(gens)
+
+    daemon._scheduler._decode_step = slow_step
+    taker, queued_cancel = Taker(), threading.Event()
+    running_cancel = taker.cancel
+
+    def generate(prompt, extras):
+        return daemon.generate_tokens_streaming(prompt, GREEDY, config_window - 8, 0, extras, lambda b: True)
+
+    running = background(lambda: generate([1, 2], taker.extras()), 30)
+    assert wait_until(lambda: daemon.sched_stats().lanes_active == 1)
+    queued = background(lambda: generate([3, 4], GenExtras(cancel=queued_cancel)), 30)
+    assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 1)
+    for cancel, result in ((queued_cancel, queued), (running_cancel, running)):
+        t = time.monotonic()
+        cancel.set()
+        assert result().finish == finish.CANCELLED
+        assert time.monotonic() - t < 2.0, "ended by the scheduler, not by the caller's next look"
+    taker.waker.close()
+    assert wait_until(lambda: pool_empty(daemon))

@@ -63,6 +63,7 @@ class Generation:
         qos: int,
         sampler: LaneSampler,
         consumer: Consumer | None = None,
+        stop: threading.Event | None = None,
     ):
         self.stream = stream
         self.budget = budget
@@ -70,6 +71,11 @@ class Generation:
         self.qos = qos
         self.sampler = sampler
         self.consumer = consumer
+        #: The caller's cancel event: the scheduler ends the generation once it is set, which
+        #: wakes a caller waiting on `out` without it having to poll.
+        self.stop = stop
+        #: The consumer refused a token: the generation ends as if its caller cancelled it.
+        self.refused = False
         self.out: queue.Queue = queue.Queue()
         self.cancelled = False
         self.state = QUEUED
@@ -116,6 +122,11 @@ class Generation:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
+    def stopped(self) -> bool:
+        """Its caller set its cancel event or its consumer refused a token; either way the
+        caller may still wait on `out` for the end."""
+        return self.refused or (self.stop is not None and self.stop.is_set())
+
     def held_back(self) -> bool:
         """Its caller (or consumer) has left `BACKLOG_TOKENS` tokens (or its bound) untaken:
         decoding more only piles up."""
@@ -129,7 +140,7 @@ class Generation:
         if self.consumer is None:
             self.out.put((TOKEN, token))
         elif not self.consumer.offer([token]):
-            self.cancelled = True
+            self.refused = True
 
 
 class Scheduler:
@@ -237,11 +248,20 @@ class Scheduler:
         return [g for g in self._lanes if g is not None]
 
     def _sweep(self) -> None:
-        """Free the lanes of generations cancelled or past their deadline."""
+        """Free the lanes of generations cancelled or past their deadline, and end those whose
+        caller set its cancel event, running or queued."""
         now = time.monotonic()
         for gen in self._running():
             if gen.cancelled or gen.expired(now):
                 self._release(gen)
+            elif gen.stopped():
+                self._finish(gen, finish.CANCELLED)
+        with self._cond:
+            for q in self._queues:
+                for gen in [g for g in q if g.stopped()]:
+                    q.remove(gen)
+                    gen.state = DONE
+                    gen.out.put((END, finish.CANCELLED))
 
     def _admit(self) -> None:
         """Start queued generations by QoS class; a head that cannot get its blocks waits."""
