@@ -25,22 +25,20 @@ _CANCEL_CHECK = 0.05
 
 
 class _Batches(queue.Queue):
-    """A `queue.Queue` whose bound the worker's side keeps (`wait_room`) and an engine's
-    `offer` may pass: the queue itself never refuses a put."""
+    """A bounded `queue.Queue` that can also wait for room without putting anything, and take
+    an engine's `offer` past its bound."""
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-
-    def full(self) -> bool:
-        return self.qsize() >= self.capacity
-
-    def wait_room(self, timeout: float) -> bool:
-        """Waits up to `timeout` for a free place; `get` notifies `not_full` whatever the bound."""
+    def wait_not_full(self, timeout: float) -> bool:
         with self.not_full:
-            if self._qsize() >= self.capacity:
+            if self._qsize() >= self.maxsize:
                 self.not_full.wait(timeout)
-            return self._qsize() < self.capacity
+            return self._qsize() < self.maxsize
+
+    def put_past_bound(self, item: list[int]) -> None:
+        with self.not_empty:
+            self._put(item)
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,7 @@ class Outbox:
     """One generation's batches on their way to the loop, then its `Done`."""
 
     def __init__(self, waker: Waker, cancel: threading.Event, capacity: int = OUTBOX_BATCHES) -> None:
-        self._queue = _Batches(capacity)
+        self._queue = _Batches(maxsize=capacity)
         self._waker = waker
         self._cancel = cancel
         #: The loop's side: what `take` pulled beyond its limit, sent first next time.
@@ -78,7 +76,7 @@ class Outbox:
         here; it looks at `behind` before each step instead); False once cancelled."""
         if self._cancel.is_set():
             return False
-        self._queue.put(batch)
+        self._queue.put_past_bound(batch)
         self._waker.set()
         return True
 
@@ -88,14 +86,16 @@ class Outbox:
 
     def wait_room(self, timeout: float) -> bool:
         """Waits up to `timeout` seconds for the loop to take something; True once it has."""
-        return self._queue.wait_room(timeout)
+        return self._queue.wait_not_full(timeout)
 
     def _hand_over(self, item: list[int] | Done, give_up: threading.Event) -> bool:
         while not give_up.is_set():
-            if self._queue.wait_room(_CANCEL_CHECK):
-                self._queue.put(item)
-                self._waker.set()
-                return True
+            try:
+                self._queue.put(item, timeout=_CANCEL_CHECK)
+            except queue.Full:
+                continue
+            self._waker.set()
+            return True
         return False
 
     # The loop's side
