@@ -2,8 +2,8 @@
 
 Callers submit a `Generation` and read its `out` queue, or give it a consumer that this thread
 hands each token to directly; only this thread touches the lanes, the KV pool and the model's
-KV writes. A prompt is prefilled in chunks between decode steps so
-a long prompt never stalls the lanes already running.
+KV writes. A prompt is prefilled in chunks between decode steps so a long prompt never stalls
+the lanes already running.
 
 KV blocks are taken on demand: a generation is admitted with the blocks of its prompt (less
 whatever prefix the pool already caches) and takes one more block each 16 tokens. When the pool

@@ -3,8 +3,9 @@
 The caller's thread validates, submits a `Generation`, then blocks reading its queue and calls
 `on_tokens` itself, so a slow callback never holds up the batch. A caller whose consumer takes
 batches without blocking (`Consumer.offer`) gets its tokens from the scheduler thread directly
-and its thread only waits for the end: one thread hop less per token and lane. Stage forwards need no cache
-and read only the weights, so they run on the caller's thread too, alongside the scheduler.
+and its thread only waits for the end: one thread hop less per token and lane. Stage forwards
+need no cache and read only the weights, so they run on the caller's thread too, alongside the
+scheduler.
 """
 
 from __future__ import annotations
