@@ -503,3 +503,35 @@ def test_the_scheduler_ends_a_cancelled_generation_so_its_caller_need_not_poll(m
         assert time.monotonic() - t < 2.0, "ended by the scheduler, not by the caller's next look"
     taker.waker.close()
     assert wait_until(lambda: pool_empty(daemon))
+
+
+def test_a_lane_held_back_by_its_consumer_goes_to_a_generation_waiting_for_one(make):
+    """One lane: a generation whose outbox nobody takes from is held back, and a second one
+    waits. The held one gives up its lane (preempted, not cancelled), the second runs to its
+    end, and once its consumer takes again the first comes back and ends with exactly the
+    tokens it would have produced alone."""
+    daemon = make(max_batch=1)
+    taker, ended = Taker(), threading.Event()
+
+    def held_run():
+        try:
+            return daemon.generate_tokens_streaming([9, 8], GREEDY, 150, 0, taker.extras(), lambda b: True)
+        finally:
+            ended.set()
+
+    try:
+        held = background(held_run, 60)
+        assert wait_until(lambda: taker.outbox.behind(), 10)
+        other = background(lambda: run(daemon, prompt=(1, 2, 3), max_tokens=40), 30)
+        assert len(other().tokens) == 40, "the waiting generation got the held lane"
+        assert daemon.sched_stats().queue_depth[0] == 1, "the held one waits in the queue meanwhile"
+        assert not ended.is_set()
+        while not (ended.is_set() and not taker.outbox.ready()):
+            taker.take()
+            ended.wait(0.002)
+        result = held()
+    finally:
+        taker.waker.close()
+    assert taker.tokens == result.tokens == run(daemon, prompt=(9, 8), max_tokens=150).tokens
+    assert daemon._scheduler.preemptions >= 1
+    assert wait_until(lambda: pool_empty(daemon))

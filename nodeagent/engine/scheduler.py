@@ -232,6 +232,7 @@ class Scheduler:
 
     def _iteration(self) -> None:
         self._sweep()
+        self._yield_held_lanes()
         with self._cond:
             self._admit()
         prefill = self._pick_prefill([g for g in self._running() if g.prefilling])
@@ -263,14 +264,28 @@ class Scheduler:
                     gen.state = DONE
                     gen.out.put((END, finish.CANCELLED))
 
+    def _yield_held_lanes(self) -> None:
+        """Preempt lanes held back by their caller for generations waiting that could move, the
+        lowest-priority first: a head that stops reading keeps its place in the queue (it comes
+        back once it reads again) but no lane another head could use."""
+        with self._cond:
+            waiting = sum(not g.held_back() for q in self._queues for g in q)
+        short = waiting - sum(g is None for g in self._lanes)
+        if short <= 0:
+            return
+        held = sorted((g for g in self._running() if g.held_back()), key=lambda g: g.priority, reverse=True)
+        for gen in held[:short]:
+            self._preempt(gen)
+
     def _admit(self) -> None:
-        """Start queued generations by QoS class; a head that cannot get its blocks waits."""
+        """Start queued generations by QoS class, passing over those held back by their caller;
+        a head that cannot get its blocks waits."""
         free_lanes = [i for i, g in enumerate(self._lanes) if g is None]
         for q in self._queues:
-            while q and free_lanes:
-                if not self._start(q[0], free_lanes[0]):
+            for gen in [g for g in q if not g.held_back()]:
+                if not free_lanes or not self._start(gen, free_lanes[0]):
                     return
-                q.popleft()
+                q.remove(gen)
                 free_lanes.pop(0)
 
     def _start(self, gen: Generation, lane: int) -> bool:
