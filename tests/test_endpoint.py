@@ -240,7 +240,9 @@ def test_silence_times_a_v3_link_out():
     with pytest.raises(TimedOut) as err:
         while time.monotonic() - t0 < TIMEOUT:
             node.pump()
-    assert 0.3 <= time.monotonic() - t0 < 1.5
+    # The silence counts from the last frame heard (the handshake, before t0), so the time since
+    # t0 may fall short of 0.3 s on a loaded machine; what must hold is the silence itself.
+    assert time.monotonic() - t0 < 1.5
     assert node.quiet_for() >= 0.3
     assert "nothing heard" in str(err.value)
 
