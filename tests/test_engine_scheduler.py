@@ -395,6 +395,24 @@ class Taker:
     def take(self) -> None:
         self.tokens += self.outbox.take(1 << 20)[0]
 
+    def generate(self, daemon, prompt, max_tokens: int):
+        """Starts a greedy generation into this outbox on a thread; returns its `result()`."""
+        self.ended = threading.Event()
+
+        def body():
+            try:
+                return daemon.generate_tokens_streaming(list(prompt), GREEDY, max_tokens, 0, self.extras(), bool)
+            finally:
+                self.ended.set()
+
+        return background(body, 60)
+
+    def take_to_the_end(self) -> None:
+        """Takes what comes until the generation has ended and nothing is left."""
+        while not (self.ended.is_set() and not self.outbox.ready()):
+            self.take()
+            self.ended.wait(0.002)
+
     def extras(self) -> GenExtras:
         return GenExtras(cancel=self.cancel, consumer=self.outbox)
 
@@ -423,25 +441,16 @@ def test_a_consumer_that_falls_behind_holds_its_lane_back_then_gets_the_rest(mak
     from nodeagent.outbox import OUTBOX_BATCHES
 
     daemon = make(max_batch=2)
-    taker, ended = Taker(), threading.Event()
-
-    def held_run():
-        try:
-            return daemon.generate_tokens_streaming([9, 8], GREEDY, 200, 0, taker.extras(), lambda b: True)
-        finally:
-            ended.set()
-
+    taker = Taker()
     try:
-        held = background(held_run, 60)
+        held = taker.generate(daemon, [9, 8], 200)
         assert wait_until(lambda: taker.outbox.behind(), 10)
         other = run(daemon, prompt=(1, 2, 3), max_tokens=150)
         assert len(other.tokens) == 150
         decoded = daemon.sched_stats().decode_tokens - len(other.tokens)
         assert decoded <= OUTBOX_BATCHES + 1, f"the held lane decoded {decoded} tokens past its outbox"
-        assert not ended.is_set()
-        while not (ended.is_set() and not taker.outbox.ready()):
-            taker.take()
-            ended.wait(0.002)
+        assert not taker.ended.is_set()
+        taker.take_to_the_end()
         result = held()
     finally:
         taker.waker.close()
@@ -456,9 +465,7 @@ def test_a_consumer_that_refuses_stops_the_generation_and_frees_its_lane(make):
     daemon = make()
     taker = Taker()
     try:
-        going = background(
-            lambda: daemon.generate_tokens_streaming([3, 4], GREEDY, 10_000, 0, taker.extras(), lambda b: True), 30
-        )
+        going = taker.generate(daemon, [3, 4], 10_000)
         assert wait_until(lambda: taker.outbox.ready())
         taker.cancel.set()
         result = going()
@@ -489,12 +496,11 @@ def test_the_scheduler_ends_a_cancelled_generation_so_its_caller_need_not_poll(m
     taker, queued_cancel = Taker(), threading.Event()
     running_cancel = taker.cancel
 
-    def generate(prompt, extras):
-        return daemon.generate_tokens_streaming(prompt, GREEDY, config_window - 8, 0, extras, lambda b: True)
-
-    running = background(lambda: generate([1, 2], taker.extras()), 30)
+    running = taker.generate(daemon, [1, 2], config_window - 8)
     assert wait_until(lambda: daemon.sched_stats().lanes_active == 1)
-    queued = background(lambda: generate([3, 4], GenExtras(cancel=queued_cancel)), 30)
+    queued = background(
+        lambda: daemon.generate_tokens_streaming([3, 4], GREEDY, 8, 0, GenExtras(cancel=queued_cancel), bool), 30
+    )
     assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 1)
     for cancel, result in ((queued_cancel, queued), (running_cancel, running)):
         t = time.monotonic()
@@ -511,24 +517,15 @@ def test_a_lane_held_back_by_its_consumer_goes_to_a_generation_waiting_for_one(m
     end, and once its consumer takes again the first comes back and ends with exactly the
     tokens it would have produced alone."""
     daemon = make(max_batch=1)
-    taker, ended = Taker(), threading.Event()
-
-    def held_run():
-        try:
-            return daemon.generate_tokens_streaming([9, 8], GREEDY, 150, 0, taker.extras(), lambda b: True)
-        finally:
-            ended.set()
-
+    taker = Taker()
     try:
-        held = background(held_run, 60)
+        held = taker.generate(daemon, [9, 8], 150)
         assert wait_until(lambda: taker.outbox.behind(), 10)
         other = background(lambda: run(daemon, prompt=(1, 2, 3), max_tokens=40), 30)
         assert len(other().tokens) == 40, "the waiting generation got the held lane"
         assert daemon.sched_stats().queue_depth[0] == 1, "the held one waits in the queue meanwhile"
-        assert not ended.is_set()
-        while not (ended.is_set() and not taker.outbox.ready()):
-            taker.take()
-            ended.wait(0.002)
+        assert not taker.ended.is_set()
+        taker.take_to_the_end()
         result = held()
     finally:
         taker.waker.close()
