@@ -546,8 +546,8 @@ class Connection:
             event_seq=0,
             payload=TokenEventPayload.Finish(reason=finish.DECLINED),
         )
-        endpoint.send(msg_type.TOKEN_EVENTS, TokenEventsMsg(events=[declined]))
         self.node.observer.generation_declined(m.session_id, m.generation_id)
+        endpoint.send(msg_type.TOKEN_EVENTS, TokenEventsMsg(events=[declined]))
 
     def on_cancel(self, endpoint: Endpoint, m, work: Work) -> None:
         run = work.generation
@@ -676,8 +676,8 @@ class Connection:
             reason = self.finish_reason(run, done.generated)
             batch = sh.agent.emit(run.session_id, run.generation_id, TokenEventPayload.Finish(reason=reason))
         if batch is not None:
+            run.watch.finished(reason)  # before the send: see `flush`
             endpoint.send(msg_type.TOKEN_EVENTS, batch)
-            run.watch.finished(reason)
         return True
 
     @staticmethod
@@ -712,8 +712,10 @@ class Connection:
             batch = self.node.shared.agent.emit(run.session_id, run.generation_id, payload)
         if batch is None:
             return False
-        endpoint.send(msg_type.TOKEN_EVENTS, batch)
+        # Observed before the send, so a head that has read the event finds it in the metrics
+        # and the log already (a send that fails ends the connection anyway).
         run.watch.tokens_sent(len(tokens))
+        endpoint.send(msg_type.TOKEN_EVENTS, batch)
         return True
 
 
