@@ -50,6 +50,10 @@ TOKEN, END, ERROR = "token", "done", "error"
 BACKLOG_TOKENS = 256
 #: How long the scheduler waits when every running lane is held back by its caller.
 IDLE_WAIT_S = 0.005
+#: How long a lane stays held back before it goes to a generation waiting for one: taking it
+#: costs the held generation a recompute of its whole context when it resumes, which a head
+#: that only paused (a busy loop, a slow scrape) should not pay.
+HELD_YIELD_S = 0.5
 
 
 class Generation:
@@ -76,6 +80,8 @@ class Generation:
         self.stop = stop
         #: The consumer refused a token: the generation ends as if its caller cancelled it.
         self.refused = False
+        #: Since when (monotonic s) its running lane has been held back; None while it moves.
+        self.held_since: float | None = None
         self.out: queue.Queue = queue.Queue()
         self.cancelled = False
         self.state = QUEUED
@@ -265,16 +271,20 @@ class Scheduler:
                     gen.out.put((END, finish.CANCELLED))
 
     def _yield_held_lanes(self) -> None:
-        """Preempt lanes held back by their caller for generations waiting that could move, the
-        lowest-priority first: a head that stops reading keeps its place in the queue (it comes
-        back once it reads again) but no lane another head could use."""
+        """Preempt lanes held back by their caller for `HELD_YIELD_S` for generations waiting
+        that could move, the lowest-priority first: a head that stops reading keeps its place in
+        the queue (it comes back once it reads again) but no lane another head could use."""
+        now = time.monotonic()
+        for gen in self._running():
+            gen.held_since = (gen.held_since or now) if gen.held_back() else None
         with self._cond:
             waiting = sum(not g.held_back() for q in self._queues for g in q)
         short = waiting - sum(g is None for g in self._lanes)
         if short <= 0:
             return
-        held = sorted((g for g in self._running() if g.held_back()), key=lambda g: g.priority, reverse=True)
-        for gen in held[:short]:
+        held = [g for g in self._running() if g.held_since is not None and now - g.held_since >= HELD_YIELD_S]
+        for gen in sorted(held, key=lambda g: g.priority, reverse=True)[:short]:
+            gen.held_since = None
             self._preempt(gen)
 
     def _admit(self) -> None:
