@@ -244,7 +244,7 @@ class Scheduler:
         prefill = self._pick_prefill([g for g in self._running() if g.prefilling])
         if prefill:
             self._guarded([g for g, _ in prefill], lambda: self._prefill_step(prefill))
-        decode = self._grow([g for g in self._running() if not g.prefilling and not g.held_back()])
+        decode = self._grow([g for g in self._running() if not g.prefilling and g.held_since is None])
         if decode:
             self._guarded(decode, lambda: self._decode_step(decode))
         if not prefill and not decode:
@@ -267,13 +267,14 @@ class Scheduler:
             for q in self._queues:
                 for gen in [g for g in q if g.stopped()]:
                     q.remove(gen)
-                    gen.state = DONE
-                    gen.out.put((END, finish.CANCELLED))
+                    self._end_queued(gen)
 
     def _yield_held_lanes(self) -> None:
-        """Preempt lanes held back by their caller for `HELD_YIELD_S` for generations waiting
-        that could move, the lowest-priority first: a head that stops reading keeps its place in
-        the queue (it comes back once it reads again) but no lane another head could use."""
+        """Notes which running lanes their caller holds back (`held_since`, which the decode
+        step reads too, so each lane's consumer is asked once an iteration), then preempts those
+        held back for `HELD_YIELD_S` for generations waiting that could move, the lowest-priority
+        first: a head that stops reading keeps its place in the queue (it comes back once it
+        reads again) but no lane another head could use."""
         now = time.monotonic()
         for gen in self._running():
             gen.held_since = (gen.held_since or now) if gen.held_back() else None
@@ -477,6 +478,10 @@ class Scheduler:
         with self._cond:
             for q in self._queues:
                 while q:
-                    gen = q.popleft()
-                    gen.state = DONE
-                    gen.out.put((END, finish.CANCELLED))
+                    self._end_queued(q.popleft())
+
+    @staticmethod
+    def _end_queued(gen: Generation) -> None:
+        """Ends a generation taken off its queue before it ran: its caller gets CANCELLED."""
+        gen.state = DONE
+        gen.out.put((END, finish.CANCELLED))
