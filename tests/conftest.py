@@ -24,6 +24,24 @@ from nodeagent.noded import Node  # noqa: E402
 from nodeagent.observe import NodeObserver, Observers  # noqa: E402
 
 JOIN_TIMEOUT = 5.0
+#: Torch's intra-op threads for a module's tests unless it names its own `TORCH_THREADS`.
+TORCH_THREADS = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads(request):
+    """Each module's tests run with the torch thread count it asks for. Set at import instead,
+    the module collected last would decide it for the whole run (collection imports every
+    module first): the engine tests meant one thread and ran with two, and on a loaded 2-core
+    machine each parallel region waits for a descheduled partner thread."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(getattr(request.module, "TORCH_THREADS", TORCH_THREADS))
+    yield
+    torch.set_num_threads(before)
 
 
 class PlainLinkNode(Node):

@@ -15,8 +15,6 @@ from nodeagent.engine import open_engine
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
 from nodeagent.params import GenParams
 
-torch.set_num_threads(1)
-
 CPU = torch.device("cpu")
 
 

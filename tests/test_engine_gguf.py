@@ -20,7 +20,6 @@ from nodeagent.engine.model import ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.params import GenParams
 
-torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
 
 VOCAB = train_vocab()

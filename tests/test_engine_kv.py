@@ -20,8 +20,6 @@ from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.params import GenParams
 
-torch.set_num_threads(1)
-
 LONG = 190  # max_tokens: with the longest prompt, near the 256-token window
 WORST_CASE_BLOCKS = blocks_for(max(len(p) for p in PROMPTS) + LONG - 1)
 

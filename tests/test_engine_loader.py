@@ -21,8 +21,6 @@ from nodeagent.engine.rope import inv_frequencies
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.params import GenParams
 
-torch.set_num_threads(1)
-
 #: The tiny model with a rope_theta other than the default, so a loader that dropped it from
 #: config.json would generate other tokens, and a window of 1024, so the context tests can ask
 #: for 600 within the checkpoint's window.

@@ -23,8 +23,6 @@ from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.params import GenParams
 
-torch.set_num_threads(1)
-
 NEW_TOKENS = 64
 WINDOW = 12
 PROMPTS = [

@@ -10,7 +10,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 from polling import background, wait_until
 from tinymodel import TINY
 
@@ -20,8 +19,6 @@ from nodeagent.engine.builtin import random_model
 from nodeagent.engine.scheduler import Generation, Scheduler
 from nodeagent.engine.torch_engine import TorchDaemon
 from nodeagent.params import GenParams
-
-torch.set_num_threads(1)
 
 GREEDY = GenParams()
 SAMPLED = GenParams(temperature=1.0, top_p=0.95, min_p=0.01, top_k=100)
