@@ -129,6 +129,8 @@ class Endpoint:
         self._readable = select.poll()
         self._readable.register(self._sock, select.POLLIN)
         self._waker: Waker | None = None
+        #: The waker alone, for a pump whose caller lets the peer's bytes wait (``hear_within``).
+        self._wakeable = select.poll()
 
     # Construction
 
@@ -193,9 +195,11 @@ class Endpoint:
         """``pump`` also returns, maybe with no frame, once ``waker`` is set; None stops that."""
         if self._waker is not None:
             self._readable.unregister(self._waker)
+            self._wakeable.unregister(self._waker)
         self._waker = waker
         if waker is not None:
             self._readable.register(waker, select.POLLIN)
+            self._wakeable.register(waker, select.POLLIN)
 
     def buffer_budget(self, budget: BufferBudget) -> None:
         """Counts this endpoint's incomplete frames against `budget` instead of the process's."""
@@ -230,11 +234,16 @@ class Endpoint:
         if self.recorder is not None:
             self.recorder("sent", frame)
 
-    def pump(self, timeout: float | None = None) -> list[Message]:
+    def pump(self, timeout: float | None = None, hear_within: float | None = None) -> list[Message]:
         """One read, waiting at most ``timeout`` seconds (None: the poll interval) and less when
         a heartbeat or the silence limit comes first, then a message for every complete frame.
         Returns early, maybe with none, when the waker is set. Sends a heartbeat when one is due
-        and, on a version-3 link, fails with ``TimedOut`` once the peer has been silent too long."""
+        and, on a version-3 link, fails with ``TimedOut`` once the peer has been silent too long.
+
+        ``hear_within`` (with a waker): the peer's bytes do not wake the wait, which lasts at
+        most that long, and are read without waiting once it ends. A loop whose worker wakes it
+        often takes the peer's replies in the pass its next output wakes, not in a wake of their
+        own: on a busy machine each thread wake-up is time taken from the engine."""
         if self._pending:
             messages = list(self._pending)
             self._pending.clear()
@@ -242,7 +251,11 @@ class Endpoint:
         if self._broken is not None:
             raise self._broken
         self._beat()
-        self._read(min(self._poll if timeout is None else timeout, self._until_liveness()))
+        wait = min(self._poll if timeout is None else timeout, self._until_liveness())
+        if hear_within is not None and self._waker is not None:
+            self._read(min(wait, hear_within), self._wakeable)
+        else:
+            self._read(wait, self._readable)
         messages = self._received()
         silence = self._liveness.silence
         if not messages and self._v3() and silence > 0 and self.quiet_for() >= silence:
@@ -342,12 +355,13 @@ class Endpoint:
             due.append(self._last_heard + silence - now)
         return max(min(due, default=_FOREVER), 0.0)
 
-    def _read(self, timeout: float) -> None:
-        """Feeds the decoder what one read brings within ``timeout``; returns early when the
-        waker is set."""
+    def _read(self, timeout: float, waiting: select.poll) -> None:
+        """Feeds the decoder what one read brings once ``waiting`` says so or ``timeout`` ends;
+        returns early when the waker is set. A ``waiting`` without the socket (``_wakeable``)
+        reads whatever has come, without waiting for more."""
         try:
-            ready = self._readable.poll(math.ceil(max(timeout, 0.0) * 1000))
-            if not any(fd == self._sock.fileno() for fd, _ in ready):
+            ready = waiting.poll(math.ceil(max(timeout, 0.0) * 1000))
+            if waiting is self._readable and not any(fd == self._sock.fileno() for fd, _ in ready):
                 return
             data = self._sock.recv(_READ)
         except (BlockingIOError, InterruptedError):

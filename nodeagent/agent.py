@@ -8,14 +8,17 @@ reading the head (cancels, lease grants, heartbeats) and sending status while th
 
 The loop sleeps in one poll(2) until the head sends a frame, a worker hands something over
 (its `Waker`), or the next deadline (status, lease renewal or expiry, idle drop) is due; the
-seed woke every 2 ms while work ran and every 20 ms otherwise. Each pass does a bounded amount
-of work, so a frame from the head is read within one pass whatever the engine produces.
+seed woke every 2 ms while work ran and every 20 ms otherwise. While a generation streams, the
+head's frames (mostly its acknowledgements) do not wake it: they are read in the pass the next
+token wakes, or after `HEAD_FRAME_WAIT_S` at most. Each pass does a bounded amount of work, so a
+frame from the head is read within one pass whatever the engine produces.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -83,6 +86,12 @@ RENEW_RETRY = 1.0
 #: 16 tokens or 200 ms; this loop sends what a step produced as soon as it can, and only what
 #: piled up while it was busy goes out together.
 EVENT_TOKENS_MAX = 1024
+#: How long the head's frames may wait while a generation streams: the loop wakes for the next
+#: token, not for each acknowledgement, and reads what the head sent in that token's pass. A
+#: torch decode step on the builtin model takes 20-30 ms, so a stream takes its acks at no wake
+#: of their own, and a GENERATE_CANCEL still waits under 50 ms when steps are slower. The seed
+#: woke for every frame.
+HEAD_FRAME_WAIT_S = 0.040
 #: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
 TRANSFER_WINDOW = 8
 #: Tokens of one generation the head may leave unacknowledged before the loop stops taking its
@@ -165,6 +174,8 @@ class Running:
     drained: bool = False
     #: Since when (ms) its output has waited on the head's acknowledgements.
     stalled_since: int | None = None
+    #: When (monotonic s) its last tokens went to the head.
+    sent_at: float = -math.inf
     #: How the node's observers follow it (metrics, the log).
     watch: GenerationWatch = field(default_factory=GenerationWatch)
 
@@ -422,7 +433,7 @@ class Connection:
             self.drop_generation(work)
         if work.stage is not None:
             self.hand_back_stage(endpoint, work)
-        for message in endpoint.pump(self.sleep_s(endpoint, work, now)):
+        for message in endpoint.pump(self.sleep_s(endpoint, work, now), self.hear_within(work)):
             self.handle(endpoint, message, work)
         run = work.generation
         if run is not None and run.stalled_since is not None and self.node.write_timeout:
@@ -450,6 +461,17 @@ class Connection:
         if endpoint.version() < 3 and not work.busy() and self.node.idle_timeout:
             due.append(now + int((self.node.idle_timeout - endpoint.quiet_for()) * 1000))
         return max(min(due) - self.node.now_ms(), 0) / 1000
+
+    @staticmethod
+    def hear_within(work: Work) -> float | None:
+        """How long the head's frames may wait for the pass the next token wakes: while a
+        generation streams, up to `HEAD_FRAME_WAIT_S` after its last tokens went out; None (they
+        wake the loop) once it pauses, or waits on the head."""
+        run = work.generation
+        if run is None or run.stalled_since is not None:
+            return None
+        left = run.sent_at + HEAD_FRAME_WAIT_S - time.monotonic()
+        return left if left > 0 else None
 
     def tend_leases(self, endpoint: Endpoint, now: int) -> None:
         """Renews and fences once a lease deadline has come, and works out the next one."""
@@ -716,6 +738,7 @@ class Connection:
         # and the log already (a send that fails ends the connection anyway).
         run.watch.tokens_sent(len(tokens))
         endpoint.send(msg_type.TOKEN_EVENTS, batch)
+        run.sent_at = time.monotonic()
         return True
 
 

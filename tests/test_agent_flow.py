@@ -127,6 +127,25 @@ def test_each_token_of_a_slow_engine_leaves_at_once(start_node):
         assert min(gaps) > 0.03, "each token arrived as made, not in bursts"
 
 
+def test_a_frame_from_the_head_waits_at_most_head_frame_wait_for_a_slow_stream(start_node):
+    """While a generation streams, the head's frames ride the pass the next token wakes, but a
+    slow engine does not make them wait for it: a second GENERATE_REQ is declined within
+    `HEAD_FRAME_WAIT_S` (40 ms), long before the next token wakes the loop (1 s away)."""
+    node = start_node(MockDaemon(token_delay_s=1.0))
+    with FleetHead.connect(node.addr) as head:
+        placed(head, 1, [3])
+        stream = head.request(1, 3)
+        key = (1, stream.generation_id)
+        head.until(lambda: key in head.generations and head.generations[key].tokens, 10.0, "the first token")
+        second = head.request(1, 3)
+        asked = time.monotonic()
+        head.until(lambda: head.finished((1, second.generation_id)), 5.0, "the decline")
+        declined_after = time.monotonic() - asked
+        assert head.generations[(1, second.generation_id)].finish == finish.DECLINED
+        assert declined_after < 0.5, "the decline came with the next token, 1 s later"
+        head.collect(stream)
+
+
 def test_idle_connections_sleep_until_their_next_deadline(start_node, monkeypatch):
     passes = {"n": 0}
     real = Connection.serve_pass

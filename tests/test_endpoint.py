@@ -287,3 +287,29 @@ def test_connect_tcp_to_nothing_is_an_error():
         addr = s.getsockname()
     with pytest.raises(Io):
         Endpoint.connect_tcp(f"{addr[0]}:{addr[1]}", TIMEOUT)
+
+
+def test_hear_within_lets_the_peer_wait_until_the_waker_or_the_limit_then_reads_it():
+    from linkf.waker import Waker
+
+    head, node = unix_pair()
+    handshake(head, node)
+    waker = Waker()
+    node.wake_on(waker)
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=1))
+    time.sleep(0.05)  # the frame is there before the pump begins
+    t0 = time.monotonic()
+    (message,) = node.pump(TIMEOUT, hear_within=0.3)
+    assert time.monotonic() - t0 >= 0.25, "the peer's bytes must not end the wait"
+    assert message.msg == LeaseRenewMsg(session_id=1, epoch=1)
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=2, epoch=1))
+    time.sleep(0.05)
+    waker.set()
+    t0 = time.monotonic()
+    (message,) = node.pump(TIMEOUT, hear_within=TIMEOUT)
+    assert time.monotonic() - t0 < 0.2, "the waker ends the wait, and the frame is read with it"
+    assert message.msg == LeaseRenewMsg(session_id=2, epoch=1)
+    assert node.pump(0.1, hear_within=0.1) == []
+    head.close()
+    with pytest.raises(Closed):
+        node.pump(TIMEOUT, hear_within=0.1)
