@@ -127,10 +127,16 @@ StageOutput = StageHidden | StageToken
 
 @dataclass(frozen=True)
 class SchedStats:
-    """A snapshot of the scheduler's counters; `decode_tokens` and `prefill_tokens` only grow."""
+    """A snapshot of the scheduler's counters; `decode_tokens`, `prefill_tokens`,
+    `decode_steps` and `decode_seconds` only grow."""
 
     decode_tokens: int = 0
     prefill_tokens: int = 0
+    #: Batched decode steps, and the wall time they took: their ratio is the step time, the
+    #: engine's pace, which shows what else on the machine takes from it (a GPU-less engine
+    #: with no steps of its own leaves both 0).
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
     queue_depth: tuple[int, ...] = field(default=(0,) * QOS_CLASSES)
     lanes_active: int = 0
     pool_blocks_used: int = 0

@@ -22,7 +22,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from nodeagent.daemon import Daemon
@@ -198,6 +198,12 @@ class _EngineCollector:
         yield _gauge("kv_blocks_used", "KV pool blocks in use (16 tokens each)", stats.pool_blocks_used)
         yield _gauge("kv_blocks_total", "KV pool blocks in all", stats.pool_blocks_total)
         yield _gauge("context_window_tokens", "The context window", daemon.max_stream_tokens())
+        yield SummaryMetricFamily(
+            PREFIX + "decode_step_seconds",
+            "Batched decode steps of the engine and the wall time they took",
+            count_value=stats.decode_steps,
+            sum_value=stats.decode_seconds,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

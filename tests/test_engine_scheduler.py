@@ -220,6 +220,8 @@ def test_decode_steps_batch_every_running_lane(make):
     assert after.decode_tokens - before.decode_tokens == 8 * 31
     assert (8, 1) in widths, "the eight lanes should have shared decode steps"
     assert sum(b for b, width in widths if width == 1) == 8 * 31
+    assert after.decode_steps - before.decode_steps == sum(width == 1 for _, width in widths)
+    assert after.decode_seconds > before.decode_seconds
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make):

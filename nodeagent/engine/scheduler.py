@@ -177,6 +177,8 @@ class Scheduler:
         self._admissions = itertools.count()
         self.decode_tokens = 0
         self.prefill_tokens = 0
+        self.decode_steps = 0
+        self.decode_seconds = 0.0
         #: Prompt tokens taken from the prefix cache instead of prefilled.
         self.reused_tokens = 0
         self.preemptions = 0
@@ -206,6 +208,8 @@ class Scheduler:
         return SchedStats(
             decode_tokens=self.decode_tokens,
             prefill_tokens=self.prefill_tokens,
+            decode_steps=self.decode_steps,
+            decode_seconds=self.decode_seconds,
             queue_depth=depth,
             lanes_active=sum(g is not None for g in self._lanes),
             pool_blocks_used=self.pool.used,
@@ -405,6 +409,7 @@ class Scheduler:
                 self._emit(gen, token)
 
     def _decode_step(self, gens: list[Generation]) -> None:
+        began = time.perf_counter()
         logits = self._forward(gens, [[g.tokens[-1]] for g in gens], [1] * len(gens))
         self.decode_tokens += len(gens)
         for gen in gens:
@@ -412,6 +417,8 @@ class Scheduler:
             self._publish(gen)
         for gen, token in zip(gens, choose_tokens(logits, [g.sampler for g in gens]), strict=True):
             self._emit(gen, token)
+        self.decode_steps += 1
+        self.decode_seconds += time.perf_counter() - began
 
     def _forward(self, gens: list[Generation], rows: list[list[int]], counts: list[int]) -> torch.Tensor:
         """One batched forward of each lane's new tokens; logits [B,V] at each lane's last one."""
