@@ -179,6 +179,11 @@ class Endpoint:
             raise ValueError(f"poll interval must be positive, got {seconds}")
         self._poll = seconds
 
+    def fileno(self) -> int:
+        """The socket's descriptor, for a caller that waits on many endpoints in one poll and
+        then pumps those that are readable with no wait."""
+        return self._sock.fileno()
+
     def keep_alive(self, liveness: Liveness) -> None:
         self._liveness = liveness
 
