@@ -133,8 +133,8 @@ class SchedStats:
     decode_tokens: int = 0
     prefill_tokens: int = 0
     #: Batched decode steps, and the wall time they took: their ratio is the step time, the
-    #: engine's pace, which shows what else on the machine takes from it (a GPU-less engine
-    #: with no steps of its own leaves both 0).
+    #: engine's pace, which shows what else on the machine takes from it (an engine without
+    #: batched steps, the mock, leaves both 0).
     decode_steps: int = 0
     decode_seconds: float = 0.0
     queue_depth: tuple[int, ...] = field(default=(0,) * QOS_CLASSES)
