@@ -16,7 +16,8 @@ What it receives comes back as ``Message``s, frames whose payloads decode as the
 types on first read (``message.py`` says why not sooner): ``send`` takes a message and ``pump``
 gives messages, so no caller decodes a payload itself.
 
-One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it.
+One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it, and
+``offer`` from another to send a frame that must not wait (an engine's tokens).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hmac
 import math
 import select
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -129,6 +131,10 @@ class Endpoint:
         self._readable = select.poll()
         self._readable.register(self._sock, select.POLLIN)
         self._waker: Waker | None = None
+        #: Held while a frame is written: ``offer`` may send from another thread.
+        self._sending = threading.Lock()
+        #: What the socket did not take of an offered frame; it goes before any other.
+        self._unsent = b""
         #: The waker alone, for a pump whose caller lets the peer's bytes wait (``hear_within``).
         self._wakeable = select.poll()
 
@@ -219,25 +225,51 @@ class Endpoint:
 
     def send(self, msg_type_: int, msg: object = None) -> None:
         """Sends ``msg`` (a postcard struct; None for an empty payload) as the next frame."""
-        try:
-            payload = b"" if msg is None else postcard.to_bytes(msg)
-        except postcard.PostcardError as e:
-            raise Payload(f"cannot encode 0x{msg_type_:04x}: {e}", peer=self.peer) from e
-        self.send_payload(msg_type_, payload)
+        self.send_payload(msg_type_, self._encode(msg_type_, msg))
 
     def send_payload(self, msg_type_: int, payload: bytes) -> None:
         """Sends an already encoded payload as the next frame: for one message many links
-        send alike, encoded once."""
-        frame = Frame(self.version(), msg_type_, self._seq, 0, FrameClass.for_type(msg_type_), payload)
+        send alike, encoded once. Waits for a part-written frame (``offer``) to go first."""
+        with self._sending:
+            self._write_unsent()
+            self._write(self._next_frame(msg_type_, payload))
+
+    def offer(self, msg_type_: int, make: Callable[[], object | None]) -> bool:
+        """Sends the message ``make()`` returns without ever waiting, for a thread that must not
+        block (an engine's): False, calling nothing, while another thread is sending or an
+        earlier frame is still part-written; else True, and the frame (if ``make`` returned
+        one, not None) is this endpoint's next. What the socket does not take at once waits
+        for ``write_unsent``, which the endpoint's own thread must run next."""
+        if not self._sending.acquire(blocking=False):
+            return False
         try:
-            data = encode_frame(frame)
-        except EnvelopeError as e:
-            raise Envelope(str(e), peer=self.peer) from e
-        self._write(self._io.seal(data))
-        self._seq += 1
-        self._last_sent = time.monotonic()
-        if self.recorder is not None:
-            self.recorder("sent", frame)
+            if self._unsent or self._broken is not None:
+                return False
+            msg = make()
+            if msg is None:
+                return True
+            data = self._next_frame(msg_type_, self._encode(msg_type_, msg))
+            try:
+                taken = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                taken = 0
+            except (OSError, ValueError) as e:
+                self._broken = self._io_error("sending", e)
+                return True
+            self._unsent = data[taken:]
+            return True
+        finally:
+            self._sending.release()
+
+    @property
+    def unsent(self) -> bool:
+        """Part of an offered frame still waits for ``write_unsent``."""
+        return bool(self._unsent)
+
+    def write_unsent(self) -> None:
+        """Writes what the socket did not take of an offered frame, as ``send`` writes."""
+        with self._sending:
+            self._write_unsent()
 
     def pump(self, timeout: float | None = None, hear_within: float | None = None) -> list[Message]:
         """One read, waiting at most ``timeout`` seconds (None: the poll interval) and less when
@@ -377,6 +409,30 @@ class Endpoint:
             raise Closed(peer=self.peer)
         self._last_heard = time.monotonic()
         self._decoder.feed(self._io.open(data))
+
+    def _encode(self, msg_type_: int, msg: object) -> bytes:
+        try:
+            return b"" if msg is None else postcard.to_bytes(msg)
+        except postcard.PostcardError as e:
+            raise Payload(f"cannot encode 0x{msg_type_:04x}: {e}", peer=self.peer) from e
+
+    def _next_frame(self, msg_type_: int, payload: bytes) -> bytes:
+        """The next frame's bytes as they go on the wire; numbers it."""
+        frame = Frame(self.version(), msg_type_, self._seq, 0, FrameClass.for_type(msg_type_), payload)
+        try:
+            data = self._io.seal(encode_frame(frame))
+        except EnvelopeError as e:
+            raise Envelope(str(e), peer=self.peer) from e
+        self._seq += 1
+        self._last_sent = time.monotonic()
+        if self.recorder is not None:
+            self.recorder("sent", frame)
+        return data
+
+    def _write_unsent(self) -> None:
+        if self._unsent:
+            data, self._unsent = self._unsent, b""
+            self._write(data)
 
     def _write(self, data: bytes) -> None:
         """Writes all of ``data``, waiting up to the write timeout each time the peer takes

@@ -12,6 +12,12 @@ seed woke every 2 ms while work ran and every 20 ms otherwise. While a generatio
 head's frames (mostly its acknowledgements) do not wake it: they are read in the pass the next
 token wakes, or after `HEAD_FRAME_WAIT_S` at most. Each pass does a bounded amount of work, so a
 frame from the head is read within one pass whatever the engine produces.
+
+The torch scheduler sends a step's tokens to the head itself when nothing of the generation
+waits in its outbox, the window has room and no other send is in progress
+(`Connection.send_direct`); else it hands them to the loop as the seed's workers did. It never
+waits: what the socket does not take at once is left for the loop to write. So while a head
+keeps up, the loop wakes for its frames, not for every token.
 """
 
 from __future__ import annotations
@@ -176,6 +182,8 @@ class Running:
     stalled_since: int | None = None
     #: When (monotonic s) its last tokens went to the head.
     sent_at: float = -math.inf
+    #: Held while its tokens are taken and sent, by the loop or by the engine's thread.
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
     #: How the node's observers follow it (metrics, the log).
     watch: GenerationWatch = field(default_factory=GenerationWatch)
 
@@ -429,6 +437,8 @@ class Connection:
             self.send_status(endpoint)
         if work.waker is not None:
             work.waker.clear()
+        if endpoint.unsent:
+            endpoint.write_unsent()
         if work.generation is not None and self.forward(endpoint, work.generation):
             self.drop_generation(work)
         if work.stage is not None:
@@ -554,7 +564,7 @@ class Connection:
         else:
             accepted = False
         if accepted:
-            work.generation = self.start_generation(m, work.waker_for(endpoint))
+            work.generation = self.start_generation(m, work.waker_for(endpoint), endpoint)
             return
         log.warning(
             "declining a generate (unknown session, superseded epoch, replayed command, or one "
@@ -629,7 +639,7 @@ class Connection:
         endpoint.send(msg_type.STAGE_FORWARD_RESP, resp)
         self.node.observer.stage_forwarded(resp.hidden is not None or resp.token is not None)
 
-    def start_generation(self, req: GenerateReqMsg, waker: Waker) -> Running:
+    def start_generation(self, req: GenerateReqMsg, waker: Waker, endpoint: Endpoint) -> Running:
         """Starts `req` on a thread of its own, so this connection goes on reading the head and
         sending status while it runs."""
         sh = self.node.shared
@@ -642,7 +652,7 @@ class Connection:
             generation_id=req.generation_id,
             max_new=min(req.budgets.max_new_tokens, U32_MAX),
             cancel=cancel,
-            out=Outbox(waker, cancel),
+            out=Outbox(waker, cancel, send=lambda tokens: self.send_direct(endpoint, run, tokens, waker)),
             watch=self.node.observer.generation_started(req.session_id, req.generation_id, len(context)),
         )
         job = GenerationJob(context, params, run.max_new, req.budgets.max_wall_ms, cancel, run.out)
@@ -674,15 +684,52 @@ class Connection:
             del self.node.shared.running[id(work.generation)]
         work.generation = None
 
+    def send_direct(self, endpoint: Endpoint, run: Running, tokens: list[int], waker: Waker) -> bool:
+        """On the engine's thread: sends `tokens` to the head at once when nothing of `run`
+        waits before them and the window has room, so the loop need not wake for them; False,
+        sending nothing, when that would wait (the loop is sending) or break their order. The
+        seed's workers handed every token to the loop, which woke once per token."""
+        if not run.send_lock.acquire(blocking=False):
+            return False
+        try:
+            if run.stalled_since is not None or run.out.ready() or self.room(run) < len(tokens):
+                return False
+            fenced = False
+
+            def event() -> TokenEventsMsg | None:
+                nonlocal fenced
+                batch = self.emit_tokens(run, tokens)
+                fenced = batch is None
+                return batch
+
+            if not endpoint.offer(msg_type.TOKEN_EVENTS, event):
+                return False
+        finally:
+            run.send_lock.release()
+        if fenced or endpoint.unsent:  # the loop ends the run, or writes the rest
+            waker.set()
+        return True
+
+    def room(self, run: Running) -> int:
+        """How many tokens `run`'s next event may carry: 0 while the head's unacknowledged
+        events fill the window."""
+        with self.node.shared.lock:
+            unacked = self.node.shared.agent.unacked(run.session_id, run.generation_id)
+        if unacked.events >= UNACKED_EVENTS_MAX:
+            return 0
+        return max(min(EVENT_TOKENS_MAX, UNACKED_TOKENS_MAX - unacked.tokens), 0)
+
     def forward(self, endpoint: Endpoint, run: Running) -> bool:
         """Sends what `run` produced since the last pass, at most `EVENT_TOKENS_MAX` tokens, and
         its finish once it ends; takes nothing while the head's unacknowledged events fill the
         window. True once it has ended, or its session was fenced and it goes silent."""
+        with run.send_lock:
+            return self._forward(endpoint, run)
+
+    def _forward(self, endpoint: Endpoint, run: Running) -> bool:
         sh = self.node.shared
-        with sh.lock:
-            unacked = sh.agent.unacked(run.session_id, run.generation_id)
-        room = min(EVENT_TOKENS_MAX, UNACKED_TOKENS_MAX - unacked.tokens)
-        if room <= 0 or unacked.events >= UNACKED_EVENTS_MAX:
+        room = self.room(run)
+        if room <= 0:
             if run.stalled_since is None:
                 run.stalled_since = self.node.now_ms()
             return False
@@ -729,17 +776,24 @@ class Connection:
     def flush(self, endpoint: Endpoint, run: Running, tokens: list[int]) -> bool:
         """Sends `tokens` as `run`'s next event; False when its session is fenced, which sends
         nothing."""
-        payload = TokenEventPayload.Tokens(tokens=tokens)
+        batch = self.emit_tokens(run, tokens)
+        if batch is None:
+            return False
+        endpoint.send(msg_type.TOKEN_EVENTS, batch)
+        return True
+
+    def emit_tokens(self, run: Running, tokens: list[int]) -> TokenEventsMsg | None:
+        """`tokens` as `run`'s next event, to send at once; None when its session is fenced."""
+        payload = TokenEventPayload.Tokens(tokens=list(tokens))
         with self.node.shared.lock:
             batch = self.node.shared.agent.emit(run.session_id, run.generation_id, payload)
         if batch is None:
-            return False
+            return None
         # Observed before the send, so a head that has read the event finds it in the metrics
         # and the log already (a send that fails ends the connection anyway).
         run.watch.tokens_sent(len(tokens))
-        endpoint.send(msg_type.TOKEN_EVENTS, batch)
         run.sent_at = time.monotonic()
-        return True
+        return batch
 
 
 def _run_generation(daemon: Daemon, shared: AgentShared, job: GenerationJob) -> None:

@@ -63,3 +63,30 @@ def test_a_stage_the_torch_engine_cannot_run_is_answered_empty(torch_node, token
         answer = head.stage(tokens, start, end, hidden)
         assert (answer.hidden, answer.token) == (None, None)
         assert head.stage(PROMPT, 0, TINY.n_layers).token is not None, "the connection serves on"
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise"])
+def test_tokens_the_engine_sends_itself_arrive_in_order_and_token_exact(start_node, monkeypatch, noise):
+    """The scheduler sends a step's tokens to the head itself when nothing waits before them
+    (`Connection.send_direct`); whether a batch went that way or through the loop, the head
+    reads the greedy tokens in order, on a plain link and a Noise one."""
+    from nodeagent.agent import Connection
+
+    daemon = TorchDaemon(random_model(TINY, 7, torch.float32, torch.device("cpu")), "tiny", max_batch=2, kv_blocks=64)
+    node = start_node(daemon, model="tiny", auth=b"k" * 32 if noise else b"")
+    direct = []
+    send_direct = Connection.send_direct
+
+    def counted(self, *args):
+        sent = send_direct(self, *args)
+        direct.append(sent)
+        return sent
+
+    monkeypatch.setattr(Connection, "send_direct", counted)
+    with FleetHead.connect(node.addr, auth=b"k" * 32 if noise else b"") as head:
+        head.assign(1, GenParams())
+        head.append(1, PROMPT)
+        generated = head.generate(1, 40).tokens
+    greedy = daemon.generate_tokens_streaming(PROMPT, GenParams(), 40, 0, GenExtras(), lambda b: True).tokens
+    assert generated == greedy and len(greedy) == 40
+    assert any(direct), "the engine's thread sent some tokens itself"

@@ -313,3 +313,47 @@ def test_hear_within_lets_the_peer_wait_until_the_waker_or_the_limit_then_reads_
     head.close()
     with pytest.raises(Closed):
         node.pump(TIMEOUT, hear_within=0.1)
+
+
+def frames(ep, n):
+    seen = []
+    while len(seen) < n:
+        seen += ep.pump(TIMEOUT)
+    return seen
+
+
+def test_an_offered_frame_goes_in_order_and_what_the_socket_will_not_take_waits_for_write_unsent():
+    head, node = unix_pair()
+    handshake(head, node)
+    node._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    node.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=1))
+    big = TelemetryMsg(spans=bytes(range(256)) * 2048)  # 512 KiB: more than the socket takes
+    assert node.offer(msg_type.TELEMETRY, lambda: big)
+    assert node.unsent, "the rest waits, and the offering thread did not"
+    assert not node.offer(msg_type.LEASE_RENEW, pytest.fail), "nothing may pass a part-written frame"
+    reading = background(lambda: frames(head, 3))
+    node.write_unsent()
+    node.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))
+    got = reading()
+    assert [m.msg_type for m in got] == [msg_type.LEASE_RENEW, msg_type.TELEMETRY, msg_type.LEASE_RENEW]
+    assert [m.seq for m in got] == [2, 3, 4] and got[1].msg == big
+    assert not node.unsent
+
+
+def test_offer_never_waits_for_a_send_in_progress_and_a_none_sends_nothing():
+    head, node = unix_pair()
+    handshake(head, node)
+    node.write_timeout(TIMEOUT)
+    big = TelemetryMsg(spans=bytes(4 << 20))  # blocks the sender: the head reads nothing yet
+    sending = background(lambda: node.send(msg_type.TELEMETRY, big))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert not node.offer(msg_type.LEASE_RENEW, pytest.fail)
+    assert time.monotonic() - t0 < 0.1
+    reading = background(lambda: messages_until(head, msg_type.TELEMETRY))
+    sending()
+    reading()
+    assert node.offer(msg_type.LEASE_RENEW, lambda: None) and not node.unsent
+    node.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=5, epoch=1))
+    (message,) = messages_until(head, msg_type.LEASE_RENEW)
+    assert message.seq == 3, "a None took no sequence number"
