@@ -93,12 +93,11 @@ RENEW_RETRY = 1.0
 #: piled up while it was busy goes out together.
 EVENT_TOKENS_MAX = 1024
 #: How long the head's frames may wait while a generation streams: the loop wakes for the next
-#: token, not for each acknowledgement, and reads what the head sent in that token's pass. When
-#: the torch engine sends its tokens itself no token wakes the loop, so this is how often each
-#: streaming connection wakes to read. At 40 ms eight such wakes a step cost the builtin
-#: model's 8-lane decode about 2 % more on two cores than at 100 ms (30 paired rounds), and a
-#: GENERATE_CANCEL still takes effect within 100 ms and a step. The seed woke for every frame.
-HEAD_FRAME_WAIT_S = 0.100
+#: token, not for each acknowledgement, and reads what the head sent in that token's pass. A
+#: torch decode step on the builtin model takes 20-30 ms, so a stream takes its acks at no wake
+#: of their own, and a GENERATE_CANCEL still waits under 50 ms when steps are slower. The seed
+#: woke for every frame.
+HEAD_FRAME_WAIT_S = 0.040
 #: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
 TRANSFER_WINDOW = 8
 #: Tokens of one generation the head may leave unacknowledged before the loop stops taking its

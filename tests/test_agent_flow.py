@@ -130,7 +130,7 @@ def test_each_token_of_a_slow_engine_leaves_at_once(start_node):
 def test_a_frame_from_the_head_waits_at_most_head_frame_wait_for_a_slow_stream(start_node):
     """While a generation streams, the head's frames ride the pass the next token wakes, but a
     slow engine does not make them wait for it: a second GENERATE_REQ is declined within
-    `HEAD_FRAME_WAIT_S` (100 ms), long before the next token wakes the loop (1 s away)."""
+    `HEAD_FRAME_WAIT_S` (40 ms), long before the next token wakes the loop (1 s away)."""
     node = start_node(MockDaemon(token_delay_s=1.0))
     with FleetHead.connect(node.addr) as head:
         placed(head, 1, [3])
