@@ -72,9 +72,9 @@ PROMPT = [1, 2, 3, 4]
 DECODE_TOKENS = 32
 #: Rounds of 8-lane decode, in process then over the wire: the ratio is the median of the
 #: rounds' ratios, since one round swings ±15 % with the machine's load. Many short rounds
-#: rather than a few long ones: each pair is run within about a second, and the median of 30
-#: moved 0.948-0.964 over four runs of the same code, where 7 rounds of 128 tokens moved
-#: 0.92-0.97.
+#: rather than a few long ones, so each pair runs within about a second; still, the median of
+#: 30 moved 0.92-0.975 over ten runs of the same code (7 rounds of 128 tokens: 0.87-0.97 over
+#: the sessions before), so a change of a few per cent is judged with `ab_decode.py`.
 DECODE_ROUNDS = 8 if QUICK else 30
 METRICS = ("--metrics-listen", "127.0.0.1:0")
 METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health$"

@@ -1,0 +1,110 @@
+"""Paired A/B of two node trees on the 8-lane torch decode, for a change too small for one
+`serve.py` run to show (issue 8).
+
+Starts one `superfluid-noded --model builtin` from each tree (each imports its own `nodeagent`,
+`linkf` and `proto`: it runs with that tree as its working directory) and loads the same model
+in this process. Each round decodes `serve.DECODE_TOKENS` tokens on 8 lanes in process, on node
+A and on node B, in an order that rotates through all six, and takes each one's mean decode
+step (the scheduler's count, in process or from the node's /metrics). Prints the medians, and
+for A against B the median step ratio and how many rounds B won. Over one run of 30 rounds, two
+copies of the same tree read 1.007 (15 of 30), and one pair of trees read 1.021 and then 0.992
+in two runs: on the 2-core machine a difference under about 2 % needs several runs.
+
+Run: .venv/bin/python tests/bench/ab_decode.py TREE_A TREE_B [ROUNDS]
+(a tree: a checkout or `git archive REV | tar -x -C DIR`; ROUNDS default 30, 4-5 minutes)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serve  # noqa: E402
+from nodeproc import Noded  # noqa: E402
+from serve import DECODE_TOKENS, METRICS, METRICS_LINE, Decode  # noqa: E402
+
+from conformance.head import FleetHead  # noqa: E402
+from nodeagent.engine.torch_engine import TorchDaemon  # noqa: E402
+from nodeagent.params import GenParams  # noqa: E402
+
+LANES = 8
+PROMPT = list(range(1, 33))
+ORDERS = ("LAB", "ABL", "BLA", "LBA", "BAL", "ALB")
+
+
+def node_from(tree: Path, home: Path) -> tuple[Noded, str, list[FleetHead]]:
+    """A node run from `tree`, its metrics address and one placed head a lane."""
+    here = os.getcwd()
+    os.chdir(tree)  # `python -m nodeagent` puts the working directory first on sys.path
+    try:
+        node = serve.start_node(home, "--model", "builtin", "--device", "cpu", "--max-batch", str(LANES), *METRICS)
+    finally:
+        os.chdir(here)
+    metrics = re.match(METRICS_LINE, node.wait_line(METRICS_LINE)).group(1)
+    heads = [FleetHead.connect(node.addr) for _ in range(LANES)]
+    for i, h in enumerate(heads):
+        h.assign(10 + i, GenParams())
+        h.append(10 + i, PROMPT + [i])
+    return node, metrics, heads
+
+
+def main() -> int:
+    if len(sys.argv) not in (3, 4):
+        sys.exit(__doc__.rsplit("Run: ", 1)[1])
+    trees = [Path(a).resolve() for a in sys.argv[1:3]]
+    rounds = int(sys.argv[3]) if len(sys.argv) == 4 else 30
+    for tree in trees:
+        if not (tree / "nodeagent" / "__main__.py").is_file():
+            sys.exit(f"ab_decode.py: {tree} holds no nodeagent/")
+    results: dict[str, list[Decode]] = {"L": [], "A": [], "B": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=LANES)
+        nodes = [node_from(tree, Path(tmp)) for tree in trees]
+        try:
+            (_, metrics_a, heads_a), (_, metrics_b, heads_b) = nodes
+            rounds_of = {
+                "L": lambda: serve._decode_round(
+                    lambda: serve._decode_in_process(daemon, PROMPT, LANES), daemon.sched_stats
+                ),
+                "A": lambda: serve._decode_round(
+                    lambda: serve._decode_over_the_wire(heads_a), lambda: serve._node_steps(metrics_a)
+                ),
+                "B": lambda: serve._decode_round(
+                    lambda: serve._decode_over_the_wire(heads_b), lambda: serve._node_steps(metrics_b)
+                ),
+            }
+            for r in range(rounds):
+                for which in ORDERS[r % len(ORDERS)]:
+                    results[which].append(rounds_of[which]())
+                print(f"... round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+        finally:
+            for node, _, _ in nodes:
+                node.kill()
+            daemon.close()
+    report(results, trees, rounds)
+    return 0
+
+
+def report(results: dict[str, list[Decode]], trees: list[Path], rounds: int) -> None:
+    steps = {k: [d.step_s for d in v] for k, v in results.items()}
+    a_over_b = [a / b for a, b in zip(steps["A"], steps["B"], strict=True)]
+    print(f"\n8-lane builtin decode, {rounds} rounds of {DECODE_TOKENS} tokens; A = {trees[0]}, B = {trees[1]}")
+    for k, name in (("L", "in process"), ("A", "node A"), ("B", "node B")):
+        print(f"  {name:<10} step median {statistics.median(steps[k]) * 1000:.2f} ms")
+    for k in ("A", "B"):
+        ratio = statistics.median(loc / s for loc, s in zip(steps["L"], steps[k], strict=True))
+        print(f"  in process / node {k}: median {ratio:.3f}")
+    print(
+        f"  node A / node B step: median {statistics.median(a_over_b):.3f} (above 1: B faster);"
+        f" B won {sum(r > 1 for r in a_over_b)} of {rounds} rounds"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
