@@ -17,7 +17,6 @@ Run: .venv/bin/python tests/bench/ab_decode.py TREE_A TREE_B [ROUNDS]
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -25,16 +24,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import serve  # noqa: E402
-from nodeproc import Noded  # noqa: E402
-from serve import DECODE_TOKENS, METRICS, METRICS_LINE, Decode  # noqa: E402
+from serve import (  # noqa: E402  (it puts tests/ on the path, for nodeproc's Noded)
+    DECODE_LANES,
+    DECODE_TOKENS,
+    Decode,
+    Noded,
+    decode_heads,
+    local_decode_round,
+    start_decode_node,
+    wire_decode_round,
+)
 
 from conformance.head import FleetHead  # noqa: E402
 from nodeagent.engine.torch_engine import TorchDaemon  # noqa: E402
-from nodeagent.params import GenParams  # noqa: E402
 
-LANES = 8
-PROMPT = list(range(1, 33))
 ORDERS = ("LAB", "ABL", "BLA", "LBA", "BAL", "ALB")
 
 
@@ -43,15 +46,10 @@ def node_from(tree: Path, home: Path) -> tuple[Noded, str, list[FleetHead]]:
     here = os.getcwd()
     os.chdir(tree)  # `python -m nodeagent` puts the working directory first on sys.path
     try:
-        node = serve.start_node(home, "--model", "builtin", "--device", "cpu", "--max-batch", str(LANES), *METRICS)
+        node, metrics = start_decode_node(home)
     finally:
         os.chdir(here)
-    metrics = re.match(METRICS_LINE, node.wait_line(METRICS_LINE)).group(1)
-    heads = [FleetHead.connect(node.addr) for _ in range(LANES)]
-    for i, h in enumerate(heads):
-        h.assign(10 + i, GenParams())
-        h.append(10 + i, PROMPT + [i])
-    return node, metrics, heads
+    return node, metrics, decode_heads(node.addr)
 
 
 def main() -> int:
@@ -64,20 +62,14 @@ def main() -> int:
             sys.exit(f"ab_decode.py: {tree} holds no nodeagent/")
     results: dict[str, list[Decode]] = {"L": [], "A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=LANES)
+        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=DECODE_LANES)
         nodes = [node_from(tree, Path(tmp)) for tree in trees]
         try:
             (_, metrics_a, heads_a), (_, metrics_b, heads_b) = nodes
             rounds_of = {
-                "L": lambda: serve._decode_round(
-                    lambda: serve._decode_in_process(daemon, PROMPT, LANES), daemon.sched_stats
-                ),
-                "A": lambda: serve._decode_round(
-                    lambda: serve._decode_over_the_wire(heads_a), lambda: serve._node_steps(metrics_a)
-                ),
-                "B": lambda: serve._decode_round(
-                    lambda: serve._decode_over_the_wire(heads_b), lambda: serve._node_steps(metrics_b)
-                ),
+                "L": lambda: local_decode_round(daemon),
+                "A": lambda: wire_decode_round(heads_a, metrics_a),
+                "B": lambda: wire_decode_round(heads_b, metrics_b),
             }
             for r in range(rounds):
                 for which in ORDERS[r % len(ORDERS)]:

@@ -78,6 +78,8 @@ DECODE_TOKENS = 32
 #: 30 moved 0.92-0.975 over ten runs of the same code (7 rounds of 128 tokens: 0.87-0.97 over
 #: the sessions before), so a change of a few per cent is judged with `ab_decode.py`.
 DECODE_ROUNDS = 8 if QUICK else 30
+DECODE_LANES = 8
+DECODE_PROMPT = list(range(1, 33))
 METRICS = ("--metrics-listen", "127.0.0.1:0")
 METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health$"
 
@@ -237,6 +239,28 @@ def start_node(home: Path, *args: str) -> Noded:
     return Noded(["--listen", "127.0.0.1:0", "--max-connections", "512", *args], home)
 
 
+def start_decode_node(home: Path) -> tuple[Noded, str]:
+    """A node on the builtin model with `DECODE_LANES` lanes, and its metrics address."""
+    node = start_node(home, "--model", "builtin", "--device", "cpu", "--max-batch", str(DECODE_LANES), *METRICS)
+    return node, re.match(METRICS_LINE, node.wait_line(METRICS_LINE)).group(1)
+
+
+def decode_heads(addr: str) -> list[FleetHead]:
+    """A head a lane, each with a session placed on a prompt of its own."""
+    heads = [FleetHead.connect(addr) for _ in range(DECODE_LANES)]
+    for i, h in enumerate(heads):
+        h.assign(10 + i, GenParams())
+        h.append(10 + i, DECODE_PROMPT + [i])
+    return heads
+
+
+def in_turn(trial: int, *runs: tuple[list, Callable[[], object]]) -> None:
+    """Appends each run's result to its list, in reverse order every other trial, so a drift
+    in the machine's load evens out between them."""
+    for results, run in runs[::-1] if trial % 2 else runs:
+        results.append(run())
+
+
 # ---- rows ----------------------------------------------------------------------------------------
 
 
@@ -247,11 +271,11 @@ def streaming_rows(home: Path) -> list[Row]:
     try:
         for trial in range(STREAM_TRIALS):  # one after the other, so a burst of load hits one trial
             ceiling.append(streaming_rate("bare", bare_addr, 1, STREAM_TOKENS))
-            if trial % 2:  # which of 1 and 8 connections goes first alternates, as load drifts
-                eight.append(streaming_rate("node", node.addr, 8, STREAM_TOKENS // 8))
-            one.append(streaming_rate("node", node.addr, 1, STREAM_TOKENS))
-            if not trial % 2:
-                eight.append(streaming_rate("node", node.addr, 8, STREAM_TOKENS // 8))
+            in_turn(
+                trial,
+                (one, lambda: streaming_rate("node", node.addr, 1, STREAM_TOKENS)),
+                (eight, lambda: streaming_rate("node", node.addr, 8, STREAM_TOKENS // 8)),
+            )
     finally:
         node.kill()
         bare.kill()
@@ -426,11 +450,9 @@ def torch_rows(home: Path) -> list[Row]:
     while a head that read nothing during the decode changed nothing (1.005)."""
     from nodeagent.engine.torch_engine import TorchDaemon
 
-    prompt = list(range(1, 33))
-    lanes, trials = 8, 3 if QUICK else 5
+    prompt, lanes, trials = DECODE_PROMPT, DECODE_LANES, 3 if QUICK else 5
     daemon = TorchDaemon.load("builtin", device="cpu", max_batch=lanes)
-    node = start_node(home, "--model", "builtin", "--device", "cpu", "--max-batch", str(lanes), *METRICS)
-    metrics = re.match(METRICS_LINE, node.wait_line(METRICS_LINE)).group(1)
+    node, metrics = start_decode_node(home)
     ttft_local, ttft_wire = [], []
     local: list[Decode] = []
     wire: list[Decode] = []
@@ -438,19 +460,14 @@ def torch_rows(home: Path) -> list[Row]:
         with FleetHead.connect(node.addr) as head:
             head.assign(1, GenParams())
             head.append(1, prompt)
-            heads = [FleetHead.connect(node.addr) for _ in range(lanes)]
-            for i, h in enumerate(heads):
-                h.assign(10 + i, GenParams())
-                h.append(10 + i, prompt + [i])
+            heads = decode_heads(node.addr)
             for _ in range(2):
                 ttft_local.append(statistics.median(_first_token_in_process(daemon, prompt) for _ in range(trials)))
                 ttft_wire.append(statistics.median(_first_token_over_the_wire(head, 1) for _ in range(trials)))
-            for r in range(DECODE_ROUNDS):  # which goes first alternates, so a drift in load evens out
-                if r % 2:
-                    wire.append(_decode_round(lambda: _decode_over_the_wire(heads), lambda: _node_steps(metrics)))
-                local.append(_decode_round(lambda: _decode_in_process(daemon, prompt, lanes), daemon.sched_stats))
-                if not r % 2:
-                    wire.append(_decode_round(lambda: _decode_over_the_wire(heads), lambda: _node_steps(metrics)))
+            for r in range(DECODE_ROUNDS):
+                in_turn(
+                    r, (local, lambda: local_decode_round(daemon)), (wire, lambda: wire_decode_round(heads, metrics))
+                )
             for h in heads:
                 h.close()
     finally:
@@ -491,6 +508,16 @@ class Decode:
 
     rate: float
     step_s: float
+
+
+def local_decode_round(daemon) -> Decode:
+    """`DECODE_TOKENS` on every lane of the engine in this process."""
+    return _decode_round(lambda: _decode_in_process(daemon, DECODE_PROMPT, DECODE_LANES), daemon.sched_stats)
+
+
+def wire_decode_round(heads: list[FleetHead], metrics_addr: str) -> Decode:
+    """`DECODE_TOKENS` for each of `heads`, from the node whose /metrics is at `metrics_addr`."""
+    return _decode_round(lambda: _decode_over_the_wire(heads), lambda: _node_steps(metrics_addr))
 
 
 def _decode_round(decode: Callable[[], float], stats: Callable[[], SchedStats]) -> Decode:
