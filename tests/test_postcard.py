@@ -8,6 +8,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nodeagent.params import GenParams
 from proto.handshake import Hello, LinkRole
@@ -207,6 +209,19 @@ def test_vec_of_u32_with_all_sizes():
     data = to_bytes(tokens, Vec[U32])
     assert data == h("08 00 7f 8001 ff7f 808001 ffff7f 80808001 ffffffff0f")
     assert from_bytes(Vec[U32], data) == tokens
+
+
+#: Values on both sides of the varint table's bounds: written at import (below 2**14), written
+#: at first sight (up to 2**18), never kept (above).
+TABLE_EDGES = st.sampled_from([0, 16383, 16384, (1 << 18) - 1, 1 << 18, 0xFFFFFFFF]) | st.integers(0, 0xFFFFFFFF)
+
+
+@given(tokens=st.lists(TABLE_EDGES, max_size=40), wire=st.sampled_from([U32, U64]))
+def test_a_token_list_is_its_varints_whether_or_not_the_table_has_them(tokens, wire):
+    each = b"".join(to_bytes(t, wire) for t in tokens)
+    first = to_bytes(tokens, Vec[wire])
+    assert first == to_bytes(len(tokens), U64) + each
+    assert to_bytes(tokens, Vec[wire]) == first
 
 
 def test_vec_of_u16_checks_the_third_byte():
