@@ -20,7 +20,9 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,27 +41,39 @@ from conformance.head import FleetHead  # noqa: E402
 from nodeagent.engine.torch_engine import TorchDaemon  # noqa: E402
 
 ORDERS = ("LAB", "ABL", "BLA", "LBA", "BAL", "ALB")
+T = TypeVar("T")
+
+
+def started_in(tree: Path, start: Callable[[], T]) -> T:
+    """What `start` returns, run with `tree` as the working directory: a node it starts with
+    `python -m nodeagent` imports that tree's packages, the directory being first on its path."""
+    here = os.getcwd()
+    os.chdir(tree)
+    try:
+        return start()
+    finally:
+        os.chdir(here)
+
+
+def trees_and_count(doc: str, default: int) -> tuple[list[Path], int]:
+    """TREE_A TREE_B [COUNT] from the command line; exits with `doc`'s usage when they are not."""
+    if len(sys.argv) not in (3, 4):
+        sys.exit(doc.rsplit("Run: ", 1)[1])
+    trees = [Path(a).resolve() for a in sys.argv[1:3]]
+    for tree in trees:
+        if not (tree / "nodeagent" / "__main__.py").is_file():
+            sys.exit(f"{Path(sys.argv[0]).name}: {tree} holds no nodeagent/")
+    return trees, int(sys.argv[3]) if len(sys.argv) == 4 else default
 
 
 def node_from(tree: Path, home: Path) -> tuple[Noded, str, list[FleetHead]]:
     """A node run from `tree`, its metrics address and one placed head a lane."""
-    here = os.getcwd()
-    os.chdir(tree)  # `python -m nodeagent` puts the working directory first on sys.path
-    try:
-        node, metrics = start_decode_node(home)
-    finally:
-        os.chdir(here)
+    node, metrics = started_in(tree, lambda: start_decode_node(home))
     return node, metrics, decode_heads(node.addr)
 
 
 def main() -> int:
-    if len(sys.argv) not in (3, 4):
-        sys.exit(__doc__.rsplit("Run: ", 1)[1])
-    trees = [Path(a).resolve() for a in sys.argv[1:3]]
-    rounds = int(sys.argv[3]) if len(sys.argv) == 4 else 30
-    for tree in trees:
-        if not (tree / "nodeagent" / "__main__.py").is_file():
-            sys.exit(f"ab_decode.py: {tree} holds no nodeagent/")
+    trees, rounds = trees_and_count(__doc__, 30)
     results: dict[str, list[Decode]] = {"L": [], "A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
         daemon = TorchDaemon.load("builtin", device="cpu", max_batch=DECODE_LANES)

@@ -66,9 +66,10 @@ from proto.linkf import (  # noqa: E402
 QUICK = "--quick" in sys.argv
 STREAM_TOKENS = 300_000 if QUICK else 1_000_000
 #: Trials of each streaming figure, whose ratios are paired within a trial: one trial swings
-#: ±25 % with the machine's load: 8 connections against 1 read 0.86-1.31 in eight trials on
-#: one node. Medians of 3 trials read 0.87-0.96 in three runs, medians of 9 0.88 and 1.01 in
-#: two: the row sits near 1.0 and one run cannot say on which side.
+#: ±25 % with the machine's load (8 connections against 1 read 0.57-1.22 in six trials on one
+#: node). Over eight runs of 6-20 paired trials (`ab_stream.py`) the median 8-to-1 ratio read
+#: 0.87-0.95 on 2 cores: 16 threads (a loop and a worker a connection) share the GIL and switch
+#: about 4x as often as 2 do (8,800 against 2,200 context switches a million tokens).
 STREAM_TRIALS = 1 if QUICK else 9
 PROMPT = [1, 2, 3, 4]
 DECODE_TOKENS = 32
