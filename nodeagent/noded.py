@@ -55,6 +55,11 @@ FIRST_BYTE_S = 2.0
 #: How often the accept loop fences expired leases and forgets old fenced sessions itself, so
 #: that happens with no head connected too.
 SWEEP_S = 1.0
+#: Connections the kernel may hold for the accept loop: as many as it allows (it caps this at
+#: net.core.somaxconn). The Rust std listener asks for 128; this loop starts a thread for each
+#: connection and falls further behind a burst, and a full queue drops a SYN, which the client
+#: sends again only a second later. Admission still decides, once accepted, who is served.
+LISTEN_BACKLOG = socket.SOMAXCONN
 #: How long a drain that ran out of time waits for the generations it stopped to send their
 #: Finish.
 STOP_GRACE_S = 3.0
@@ -340,7 +345,7 @@ def run_listen(opts: Options) -> int:
         metrics = start_metrics(opts)
         daemon = load(opts, pick_runtime(opts))
         say(daemon.summary())
-        listener.listen(128)
+        listener.listen(LISTEN_BACKLOG)
         node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
         node.catch_signals()
         node.observer.node_state("serving")  # before the line that says so: /health agrees with it

@@ -21,7 +21,7 @@ from nodeagent.agent import NodeAgent  # noqa: E402
 from nodeagent.cli import Options  # noqa: E402
 from nodeagent.daemon import Daemon  # noqa: E402
 from nodeagent.engine.mock import MockDaemon  # noqa: E402
-from nodeagent.noded import Node  # noqa: E402
+from nodeagent.noded import LISTEN_BACKLOG, Node  # noqa: E402
 from nodeagent.observe import NodeObserver, Observers  # noqa: E402
 
 JOIN_TIMEOUT = 5.0
@@ -157,7 +157,7 @@ def start_node():
             Observers(opened),
             on_connection_end=lambda _peer, error: outcomes.put(error),
         )
-        listener = socket.create_server(("127.0.0.1", 0))
+        listener = socket.create_server(("127.0.0.1", 0), backlog=LISTEN_BACKLOG)
         accepting = threading.Thread(
             target=node.accept_until_stopped, args=(listener,), name="test-node-accept", daemon=True
         )

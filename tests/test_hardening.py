@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -110,6 +111,35 @@ def test_a_head_gets_in_within_1_s_while_300_silent_sockets_are_open(noded, tmp_
         assert time.monotonic() - start < 1.5
     finally:
         for s in silent:
+            s.close()
+
+
+BURST = 300
+
+
+@pytest.mark.skipif(
+    Path("/proc/sys/net/core/somaxconn").is_file()
+    and int(Path("/proc/sys/net/core/somaxconn").read_text()) < BURST,
+    reason="the kernel caps every listen queue below the burst",
+)
+def test_a_burst_of_connects_waits_in_the_listen_queue_while_the_node_takes_none(noded):
+    """With the node stopped (SIGSTOP) the kernel alone answers connects, into the listen
+    queue: each of 300 gets in at once. A queue of 128 (the Rust std listener's, ours before)
+    dropped the 130th's SYN, which a client then resends after a second; on CI a head that
+    came right after 300 silent sockets timed out that way."""
+    node = noded(*MOCK)
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        burst = [raw_connect(node.addr, timeout=0.5) for _ in range(BURST)]
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+    try:
+        with FleetHead.connect(node.addr, timeout=5) as head:
+            head.assign(1)
+            head.append(1, [3])
+            assert head.generate(1, 4).tokens == mock_tokens([3], 4)
+    finally:
+        for s in burst:
             s.close()
 
 
