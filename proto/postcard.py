@@ -494,6 +494,9 @@ def _array_code(bits: int) -> str:
 #: entries out of cache, and the list made its mock stream 1.3x faster.
 _VARINT_CACHE_MAX = 1 << 18
 _VARINTS: list[bytes | None] = list(_VARINT)
+#: A value's varint from the table: a value not in it yet is a None there, which `join`
+#: refuses, or past its end.
+_table_lookup = typing.cast(Callable[[int], bytes], _VARINTS.__getitem__)
 
 
 def _table_varint(x: int, write: Callable[[int], bytes]) -> bytes:
@@ -541,10 +544,8 @@ class _VarintVec(_VecType):
             array(self.code, v)
         except (TypeError, ValueError, OverflowError):
             self._check_elements(v)
-        # A value not in the table yet is a None there, which `join` refuses, or past its end.
-        joined = typing.cast(Callable[[int], bytes], _VARINTS.__getitem__)
         try:
-            out += b"".join(map(joined, v))
+            out += b"".join(map(_table_lookup, v))
         except (TypeError, IndexError):
             write = self.varint.write
             out += b"".join([_table_varint(x, write) for x in v])
