@@ -115,11 +115,11 @@ def test_a_head_gets_in_within_1_s_while_300_silent_sockets_are_open(noded, tmp_
 
 
 BURST = 300
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 
 
 @pytest.mark.skipif(
-    Path("/proc/sys/net/core/somaxconn").is_file()
-    and int(Path("/proc/sys/net/core/somaxconn").read_text()) < BURST,
+    SOMAXCONN.is_file() and int(SOMAXCONN.read_text()) < BURST,
     reason="the kernel caps every listen queue below the burst",
 )
 def test_a_burst_of_connects_waits_in_the_listen_queue_while_the_node_takes_none(noded):

@@ -3,7 +3,7 @@ and the same tokens on 8 together, for a change too small for one run to show (i
 
 Starts one `superfluid-noded --runtime mock` from each tree (each imports its own packages, as
 in `ab_decode.py`; the head here decodes with this tree's). Each trial streams on node A and on
-node B, 1 and 8 connections each, the order of the nodes and of the counts alternating. Prints
+node B, 1 and 8 connections each, in reverse order every other trial (`serve.in_turn`). Prints
 per connection count the median rates and, for B against A, the median ratio and how many
 trials B won; then each node's median 8-to-1 ratio. One trial swings ±25 % with the machine's
 load, so 20 trials (4 minutes) settle about 5 %.
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab_decode import started_in, trees_and_count  # noqa: E402
-from serve import STREAM_TOKENS, start_node, streaming_rate  # noqa: E402
+from serve import STREAM_TOKENS, in_turn, start_node, streaming_rate  # noqa: E402
 
 CONNECTIONS = (1, 8)
 
@@ -37,10 +37,13 @@ def main() -> int:
             home.mkdir()
             nodes[k] = started_in(tree, lambda home=home: start_node(home, "--runtime", "mock"))
         try:
+            runs = [
+                (rates[(k, c)], lambda addr=nodes[k].addr, c=c: streaming_rate("node", addr, c, STREAM_TOKENS // c))
+                for k in "AB"
+                for c in CONNECTIONS
+            ]
             for t in range(trials):
-                for k in "AB" if t % 2 == 0 else "BA":
-                    for c in CONNECTIONS if t // 2 % 2 == 0 else CONNECTIONS[::-1]:
-                        rates[(k, c)].append(streaming_rate("node", nodes[k].addr, c, STREAM_TOKENS // c))
+                in_turn(t, *runs)
                 print(f"... trial {t + 1} of {trials}", file=sys.stderr, flush=True)
         finally:
             for node in nodes.values():
