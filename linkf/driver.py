@@ -39,6 +39,7 @@ from proto.envelope import MAX_FRAME, EnvelopeError, Frame, FrameClass, FrameDec
 from proto.handshake import MAX_HELLO_FRAME, Hello, HelloAckF, LinkRole, negotiate
 from proto.linkf import is_known_type, msg_type
 
+from . import quick
 from .budget import PROCESS_BUDGET, BufferBudget
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
 from .message import Message
@@ -250,7 +251,7 @@ class Endpoint:
                 return True
             data = self._next_frame(msg_type_, self._encode(msg_type_, msg))
             try:
-                taken = self._sock.send(data)
+                taken = quick.send(self._sock, data)
             except (BlockingIOError, InterruptedError):
                 taken = 0
             except (OSError, ValueError) as e:
@@ -396,11 +397,13 @@ class Endpoint:
         """Feeds the decoder what one read brings once ``waiting`` says so or ``timeout`` ends;
         returns early when the waker is set. A ``waiting`` without the socket (``_wakeable``)
         reads whatever has come, without waiting for more."""
+        wait_ms = math.ceil(max(timeout, 0.0) * 1000)
         try:
-            ready = waiting.poll(math.ceil(max(timeout, 0.0) * 1000))
-            if waiting is self._readable and not any(fd == self._sock.fileno() for fd, _ in ready):
-                return
-            data = self._sock.recv(_READ)
+            if wait_ms > 0:  # a zero-time poll would only let go of the GIL (`quick`)
+                ready = waiting.poll(wait_ms)
+                if waiting is self._readable and not any(fd == self._sock.fileno() for fd, _ in ready):
+                    return
+            data = quick.recv(self._sock, _READ)
         except (BlockingIOError, InterruptedError):
             return
         except (OSError, ValueError) as e:
@@ -439,10 +442,10 @@ class Endpoint:
         nothing; a failure leaves the endpoint broken."""
         if self._broken is not None:
             raise self._broken
-        view = memoryview(data)
-        while view:
+        sent = 0
+        while sent < len(data):
             try:
-                view = view[self._sock.send(view) :]
+                sent += quick.send(self._sock, data, sent)
                 continue
             except (BlockingIOError, InterruptedError):
                 pass

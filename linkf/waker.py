@@ -4,14 +4,17 @@ A connection's loop waits in one ``poll`` for the head's bytes, a worker's outpu
 deadline together: a worker calls ``set`` after handing something over, and the loop calls
 ``clear`` before it looks at what was handed over. ``set`` writes only when the waker is not
 already set, so a worker handing over many batches makes one system call, not one each, and
-``clear`` reads only when it is set, so a pass the head's bytes woke makes none: each system
-call lets go of the GIL, and getting it back is what a busy engine thread pays for.
+``clear`` reads only when it is set, so a pass the head's bytes woke makes none. Both make
+theirs through ``quick``, holding the GIL: a busy engine thread that let go of it would wait to
+get it back.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+
+from . import quick
 
 _ONE = (1).to_bytes(8, "little")
 
@@ -46,7 +49,7 @@ class Waker:
                 return
             self._set = True
             try:
-                os.write(self._write, _ONE)
+                quick.write(self._write, _ONE)
             except OSError:
                 pass
 
@@ -60,7 +63,7 @@ class Waker:
                 return
             self._set = False
             try:
-                os.read(self._read, 4096)  # an eventfd's whole count, or a pipe's one byte
+                quick.read(self._read, 8)  # an eventfd's whole count, or a pipe's one byte
             except OSError:
                 pass
 

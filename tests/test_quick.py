@@ -1,0 +1,173 @@
+"""`linkf.quick`: each call behaves as its socket or `os` twin (the same bytes, the same errors),
+and the short ones keep the GIL, which their twins let go of."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from linkf import quick
+
+
+@pytest.fixture(params=["held", "twins"])
+def calls(request, monkeypatch):
+    """`quick` as it runs here, and as it runs where libc cannot be called (the twins)."""
+    if request.param == "held" and not quick.held():
+        pytest.skip("libc cannot be called holding the GIL here")
+    if request.param == "twins":
+        monkeypatch.setattr(quick, "_LIBC", None)
+    return quick
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    return a, b
+
+
+@pytest.fixture
+def pair():
+    a, b = _pair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _drain(calls, sock: socket.socket, size: int) -> bytes:
+    got = b""
+    while True:
+        try:
+            chunk = calls.recv(sock, size)
+        except BlockingIOError:
+            return got
+        assert chunk, "the peer is still open"
+        got += chunk
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    frames=st.lists(st.integers(0, 3 * quick.HELD_SEND_MAX), max_size=6),
+    read_size=st.sampled_from([1_000, quick.HELD_RECV_MAX, 64 * 1024]),
+)
+def test_frames_arrive_whole_and_in_order_through_full_buffers(calls, frames, read_size):
+    """Frames of every size around the held limits, written until the socket takes no more
+    (BlockingIOError, as the twin) and read back in reads of every size around them."""
+    a, b = _pair()
+    try:
+        sent = b"".join(bytes([i % 251]) * n for i, n in enumerate(frames))
+        got = b""
+        for i, n in enumerate(frames):
+            data, start = bytes([i % 251]) * n, 0
+            while start < len(data):
+                try:
+                    start += calls.send(a, data, start)
+                except BlockingIOError:
+                    got += _drain(calls, b, read_size)
+        got += _drain(calls, b, read_size)
+        assert got == sent
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_read_larger_than_the_held_limit_takes_what_lies_beyond_it(calls, pair):
+    a, b = pair
+    data = os.urandom(3 * quick.HELD_RECV_MAX)
+    a.sendall(data)
+    assert calls.recv(b, len(data)) == data
+
+
+def test_nothing_to_read_is_blocking_io_and_a_closed_peer_is_empty(calls, pair):
+    a, b = pair
+    with pytest.raises(BlockingIOError):
+        calls.recv(b, 100)
+    a.close()
+    assert calls.recv(b, 100) == b""
+
+
+def test_sending_to_a_closed_peer_is_the_twins_error(calls, pair):
+    a, b = pair
+    b.close()
+    with pytest.raises(OSError) as raised:
+        calls.send(a, b"x")
+    assert raised.value.errno in (errno.EPIPE, errno.ECONNRESET)
+    assert type(raised.value) in (BrokenPipeError, ConnectionResetError)
+
+
+def test_a_closed_socket_is_a_bad_descriptor(calls, pair):
+    a, _ = pair
+    a.close()
+    with pytest.raises(OSError) as raised:
+        calls.send(a, b"x")
+    assert raised.value.errno == errno.EBADF
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="no eventfd on this platform")
+def test_an_eventfd_counts_writes_and_reads_empty_as_blocking_io(calls):
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        with pytest.raises(BlockingIOError):
+            calls.read(fd, 8)
+        assert calls.write(fd, (2).to_bytes(8, "little")) == 8
+        assert calls.write(fd, (3).to_bytes(8, "little")) == 8
+        assert int.from_bytes(calls.read(fd, 8), "little") == 5
+        with pytest.raises(BlockingIOError):
+            calls.read(fd, 8)
+    finally:
+        os.close(fd)
+
+
+def _turns_taken_by_another_thread(call, times: int) -> int:
+    """How many times a thread that wants the GIL gets it while this one makes `call`
+    `times` times: only when this one lets go of it, with the switch interval far away."""
+    turns = 0
+    stop = threading.Event()
+    ready = threading.Event()
+
+    def other() -> None:
+        nonlocal turns
+        ready.set()
+        while not stop.is_set():
+            turns += 1
+            os.sched_yield()  # lets go of the GIL: the caller's turn again
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    thread = threading.Thread(target=other)
+    try:
+        thread.start()
+        ready.wait()
+        before = turns
+        for _ in range(times):
+            call()
+        during = turns - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        thread.join()
+    return during
+
+
+@pytest.mark.skipif(not quick.held(), reason="libc cannot be called holding the GIL here")
+def test_short_calls_keep_the_gil_that_their_twins_let_go_of(pair):
+    a, b = pair
+    frame = b"f" * 200
+
+    def held_round() -> None:
+        quick.send(a, frame)
+        quick.recv(b, 1024)
+
+    def twin_round() -> None:
+        a.send(frame)
+        b.recv(1024)
+
+    assert _turns_taken_by_another_thread(twin_round, 2_000) > 0, "the twins let go of the GIL"
+    assert _turns_taken_by_another_thread(held_round, 2_000) == 0
