@@ -16,8 +16,9 @@ What it receives comes back as ``Message``s, frames whose payloads decode as the
 types on first read (``message.py`` says why not sooner): ``send`` takes a message and ``pump``
 gives messages, so no caller decodes a payload itself.
 
-One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it, and
-``offer`` from another to send a frame that must not wait (an engine's tokens).
+One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it,
+``offer`` from another to send a frame that must not wait (an engine's tokens), and ``glean``
+from that one to read the peer's replies without waiting, for the endpoint's own thread.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from proto import postcard
@@ -138,6 +139,10 @@ class Endpoint:
         self._unsent = b""
         #: The waker alone, for a pump whose caller lets the peer's bytes wait (``hear_within``).
         self._wakeable = select.poll()
+        #: Held while the peer's bytes are read and decoded: ``glean`` reads from another thread.
+        self._reading = threading.Lock()
+        #: Why a ``glean`` could not read, for the endpoint's own thread to meet in ``pump``.
+        self._gleaned: LinkFError | None = None
 
     # Construction
 
@@ -281,24 +286,64 @@ class Endpoint:
         ``hear_within`` (with a waker): the peer's bytes do not wake the wait, which lasts at
         most that long, and are read without waiting once it ends. A loop whose worker wakes it
         often takes the peer's replies in the pass its next output wakes, not in a wake of their
-        own: on a busy machine each thread wake-up is time taken from the engine."""
-        if self._pending:
-            messages = list(self._pending)
-            self._pending.clear()
-            return messages
+        own: on a busy machine each thread wake-up is time taken from the engine. What a
+        ``glean`` read comes back first, without a wait."""
+        with self._reading:
+            if self._pending or self._gleaned is not None:
+                return self._take_pending()
         if self._broken is not None:
             raise self._broken
         self._beat()
         wait = min(self._poll if timeout is None else timeout, self._until_liveness())
         if hear_within is not None and self._waker is not None:
-            self._read(min(wait, hear_within), self._wakeable)
+            readable = self._wait(min(wait, hear_within), self._wakeable)
         else:
-            self._read(wait, self._readable)
-        messages = self._received()
+            readable = self._wait(wait, self._readable)
+        with self._reading:
+            if readable:
+                self._read()
+            messages = self._received()
+            if self._pending or self._gleaned is not None:  # `glean` read first
+                self._pending.extend(messages)
+                messages = self._take_pending()
         silence = self._liveness.silence
         if not messages and self._v3() and silence > 0 and self.quiet_for() >= silence:
             raise TimedOut(f"nothing heard for {self.quiet_for():.1f} s", peer=self.peer)
         return messages
+
+    def glean(self, quiet: Collection[int]) -> bool:
+        """Reads what the peer has sent, without waiting, for the endpoint's own thread to get
+        from its next ``pump``: for an engine's thread that has just sent on it (``offer``), so
+        the peer's replies (acknowledgements, mostly) need no wake-up of that thread. True when
+        that thread should be woken: a message whose type is not in ``quiet`` came, or the read
+        failed (its next ``pump`` raises the failure, after the messages before it). False,
+        reading nothing, while that thread reads."""
+        if not self._reading.acquire(blocking=False):
+            return False
+        try:
+            if self._gleaned is not None:
+                return False
+            try:
+                self._read()
+                messages = self._received()
+            except LinkFError as e:
+                self._gleaned = e
+                return True
+            self._pending.extend(messages)
+            return any(m.msg_type not in quiet for m in messages)
+        finally:
+            self._reading.release()
+
+    def _take_pending(self) -> list[Message]:
+        """What came before this ``pump`` (``glean``, the handshake's extra frames), then the
+        failure a ``glean`` met, once nothing is left before it. Under ``_reading``."""
+        if self._pending:
+            messages = list(self._pending)
+            self._pending.clear()
+            return messages
+        failure, self._gleaned = self._gleaned, None
+        assert failure is not None
+        raise failure
 
     def wait_messages(self) -> list[Message]:
         """Blocks until at least one message arrives (Rust's ``wait_frames``)."""
@@ -393,16 +438,24 @@ class Endpoint:
             due.append(self._last_heard + silence - now)
         return max(min(due, default=_FOREVER), 0.0)
 
-    def _read(self, timeout: float, waiting: select.poll) -> None:
-        """Feeds the decoder what one read brings once ``waiting`` says so or ``timeout`` ends;
-        returns early when the waker is set. A ``waiting`` without the socket (``_wakeable``)
-        reads whatever has come, without waiting for more."""
+    def _wait(self, timeout: float, waiting: select.poll) -> bool:
+        """Waits until ``waiting`` says so or ``timeout`` ends (or the waker is set); whether
+        to read. A ``waiting`` without the socket (``_wakeable``) reads whatever has come,
+        without waiting for more."""
         wait_ms = math.ceil(max(timeout, 0.0) * 1000)
+        if wait_ms <= 0:  # a zero-time poll would only let go of the GIL (`quick`)
+            return True
         try:
-            if wait_ms > 0:  # a zero-time poll would only let go of the GIL (`quick`)
-                ready = waiting.poll(wait_ms)
-                if waiting is self._readable and not any(fd == self._sock.fileno() for fd, _ in ready):
-                    return
+            ready = waiting.poll(wait_ms)
+        except InterruptedError:
+            return False
+        except (OSError, ValueError) as e:
+            raise self._io_error("receiving", e) from e
+        return waiting is not self._readable or any(fd == self._sock.fileno() for fd, _ in ready)
+
+    def _read(self) -> None:
+        """Feeds the decoder what one read brings, without waiting. Under ``_reading``."""
+        try:
             data = quick.recv(self._sock, _READ)
         except (BlockingIOError, InterruptedError):
             return

@@ -18,6 +18,7 @@ from conformance.reference import mock_tokens
 from nodeagent import agent as node_agent
 from nodeagent import finish
 from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, Connection
+from nodeagent.daemon import GenerationResult, GenExtras
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.params import GenParams
 from proto.linkf import TokenEventPayload
@@ -218,3 +219,58 @@ def test_many_connections_stream_token_exact_together(start_node, versions):
     assert sorted(results) == list(range(8))
     for i, tokens in results.items():
         assert tokens == mock_tokens([i, i + 1], 3000)
+
+
+class OfferingMock(MockDaemon):
+    """The mock's tokens offered one a step from the generation's thread, as the torch
+    scheduler offers its steps, so the loop need not wake for them (`Connection.send_direct`)."""
+
+    STEP_S = 0.01
+
+    def generate_tokens_streaming(self, stream, params, max_tokens, deadline_ms, extras, on_tokens):
+        made = super().generate_tokens_streaming(stream, params, max_tokens, deadline_ms, GenExtras(), bool)
+        for i, token in enumerate(made.tokens):
+            time.sleep(self.STEP_S)
+            if extras.cancelled() or not extras.consumer.offer([token]):
+                return GenerationResult(made.tokens[:i], finish.CANCELLED)
+        return made
+
+
+def test_a_stream_the_engine_sends_itself_leaves_the_loop_asleep(start_node, monkeypatch):
+    """While the engine's thread sends each token itself, it also reads the head's replies for
+    the loop (`Endpoint.glean`): the loop makes a pass about every `GLEANED_FRAME_WAIT_S`
+    (0.25 s), not every `HEAD_FRAME_WAIT_S` (40 ms)."""
+    passes = {"n": 0}
+    real = Connection.serve_pass
+
+    def counted(self, endpoint, work):
+        passes["n"] += work.generation is not None
+        return real(self, endpoint, work)
+
+    monkeypatch.setattr(Connection, "serve_pass", counted)
+    node = start_node(OfferingMock())
+    n = 150  # 1.5 s of 10 ms steps
+    with FleetHead.connect(node.addr) as head:
+        placed(head, 1, [5, 6])
+        done = head.generate(1, n)
+    assert done.tokens == mock_tokens([5, 6], n) and done.finish == finish.LENGTH
+    assert passes["n"] <= 15, f"{passes['n']} passes in 1.5 s of streaming (52 when the loop read every 40 ms)"
+
+
+def test_the_engine_s_thread_wakes_the_loop_for_a_frame_that_is_not_an_acknowledgement(start_node, monkeypatch):
+    """A GENERATE_REQ sent while the engine's thread sends the tokens is declined within a few
+    of its steps, however long the loop would let the head's frames wait."""
+    monkeypatch.setattr(node_agent, "GLEANED_FRAME_WAIT_S", 3.0)
+    node = start_node(OfferingMock())
+    with FleetHead.connect(node.addr) as head:
+        placed(head, 1, [5, 6])
+        stream = head.request(1, 150)
+        key = (1, stream.generation_id)
+        head.until(lambda: key in head.generations and len(head.generations[key].tokens) >= 20, 10.0, "20 tokens")
+        second = head.request(1, 3)
+        asked = time.monotonic()
+        head.until(lambda: head.finished((1, second.generation_id)), 5.0, "the decline")
+        declined_after = time.monotonic() - asked
+        assert head.generations[(1, second.generation_id)].finish == finish.DECLINED
+        assert declined_after < 0.2, f"declined after {declined_after:.3f} s"
+        assert head.collect(stream).finish == finish.LENGTH

@@ -2,9 +2,12 @@
 and Noise. Every blocking step has a timeout, so a bug fails instead of hanging."""
 
 import socket
+import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from linkpairs import ackf, messages_until, tcp_pair, unix_pair
 from polling import TIMEOUT, background
 
@@ -22,7 +25,7 @@ from linkf import (
 )
 from proto.envelope import FrameClass
 from proto.handshake import Hello, LinkRole
-from proto.linkf import LeaseRenewMsg, TelemetryMsg, msg_type
+from proto.linkf import LeaseRenewMsg, TelemetryMsg, WatermarkAckMsg, msg_type
 
 
 def handshake(head, node, versions=(2, 3), auth=b"", expected=b""):
@@ -357,3 +360,96 @@ def test_offer_never_waits_for_a_send_in_progress_and_a_none_sends_nothing():
     node.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=5, epoch=1))
     (message,) = messages_until(head, msg_type.LEASE_RENEW)
     assert message.seq == 3, "a None took no sequence number"
+
+
+QUIET = frozenset((msg_type.WATERMARK_ACK,))
+
+
+def ack(n: int) -> WatermarkAckMsg:
+    return WatermarkAckMsg(session_id=1, epoch=1, generation_id=1, watermark=n)
+
+
+def test_glean_leaves_quiet_frames_for_the_next_pump_and_says_when_another_came():
+    """An engine's thread reads the head's replies after its own send (`glean`): the
+    acknowledgements wait for the loop's next pump, which returns them at once, in order; any
+    other frame asks for the loop to be woken."""
+    head, node = unix_pair()
+    handshake(head, node)
+    assert node.glean(QUIET) is False, "nothing came"
+    for n in (1, 2, 3):
+        head.send(msg_type.WATERMARK_ACK, ack(n))
+    time.sleep(0.05)
+    assert node.glean(QUIET) is False
+    t0 = time.monotonic()
+    got = node.pump(TIMEOUT)
+    assert time.monotonic() - t0 < 0.5, "what glean read comes back without a wait"
+    assert [m.msg for m in got] == [ack(1), ack(2), ack(3)]
+    head.send(msg_type.WATERMARK_ACK, ack(4))
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=2))
+    time.sleep(0.05)
+    assert node.glean(QUIET) is True
+    head.send(msg_type.WATERMARK_ACK, ack(5))
+    time.sleep(0.05)
+    got = node.pump(TIMEOUT)
+    assert [(m.msg_type, m.seq) for m in got] == [(msg_type.WATERMARK_ACK, 5), (msg_type.LEASE_RENEW, 6)]
+    (later,) = node.pump(TIMEOUT)
+    assert (later.msg, later.seq) == (ack(5), 7), "what glean left in the socket comes next"
+
+
+def test_a_failure_glean_meets_is_raised_by_the_pump_after_the_frames_before_it():
+    head, node = unix_pair()
+    handshake(head, node)
+    head.send(msg_type.WATERMARK_ACK, ack(1))
+    head.close()
+    time.sleep(0.05)
+    woke = [node.glean(QUIET) for _ in range(2)]
+    assert woke == [False, True], "the acknowledgement, then the peer's close"
+    assert node.glean(QUIET) is False, "nothing more is read past a failure"
+    assert [m.msg for m in node.pump(TIMEOUT)] == [ack(1)]
+    with pytest.raises(Closed):
+        node.pump(TIMEOUT)
+
+
+def test_glean_reads_nothing_while_the_endpoint_s_own_thread_reads():
+    head, node = unix_pair()
+    handshake(head, node)
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=1))
+    time.sleep(0.05)
+    with node._reading:  # as a pump holds it while it reads and decodes
+        assert node.glean(frozenset()) is False
+    (message,) = node.pump(TIMEOUT)
+    assert message.msg == LeaseRenewMsg(session_id=1, epoch=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from([msg_type.WATERMARK_ACK, msg_type.LEASE_RENEW]), min_size=1, max_size=80),
+    pause=st.sampled_from([0.0, 0.0005]),
+)
+def test_frames_read_by_glean_and_pump_together_arrive_once_each_in_order(kinds, pause):
+    """The head's frames while one thread gleans over and over and the loop pumps: each
+    arrives once, in the order sent, whoever read it."""
+    head, node = unix_pair()
+    try:
+        handshake(head, node)
+        done = threading.Event()
+
+        def glean_until_done() -> None:
+            while not done.is_set():
+                node.glean(QUIET)
+                time.sleep(pause)
+
+        gleaning = background(glean_until_done)
+        for i, kind in enumerate(kinds):
+            head.send(kind, ack(i) if kind == msg_type.WATERMARK_ACK else LeaseRenewMsg(session_id=i, epoch=1))
+        got = []
+        deadline = time.monotonic() + TIMEOUT
+        while len(got) < len(kinds) and time.monotonic() < deadline:
+            got += node.pump(0.01)
+        done.set()
+        gleaning()
+        assert [m.msg_type for m in got] == kinds
+        assert [m.seq for m in got] == list(range(2, 2 + len(kinds)))
+    finally:
+        head.close()
+        node.close()
