@@ -67,9 +67,10 @@ QUICK = "--quick" in sys.argv
 STREAM_TOKENS = 300_000 if QUICK else 1_000_000
 #: Trials of each streaming figure, whose ratios are paired within a trial: one trial swings
 #: ±25 % with the machine's load (8 connections against 1 read 0.57-1.22 in six trials on one
-#: node). Over eight runs of 6-20 paired trials (`ab_stream.py`) the median 8-to-1 ratio read
-#: 0.87-0.95 on 2 cores: 16 threads (a loop and a worker a connection) share the GIL and switch
-#: about 4x as often as 2 do (8,800 against 2,200 context switches a million tokens).
+#: node). 16 threads (a loop and a worker a connection) share the GIL: while each system call
+#: let go of it, the median 8-to-1 ratio read 0.87-0.95 over eight runs of `ab_stream.py` (8,600
+#: against 2,000 context switches a million tokens); with the calls that cannot block made
+#: holding it (`linkf.quick`), 1.10-1.15.
 STREAM_TRIALS = 1 if QUICK else 9
 PROMPT = [1, 2, 3, 4]
 DECODE_TOKENS = 32
@@ -444,11 +445,11 @@ def torch_rows(home: Path) -> list[Row]:
     its tokens a second, and the engine's mean decode step (the scheduler's own count, read
     in process or from the node's /metrics), which leaves out the round's prefill and start.
 
-    What the wire costs the decode here is the kernel's: eight TCP frames a step, one a lane,
-    each sent on loopback (which also runs the receiving side's TCP work on the sender's core).
-    In `ab_decode.py` runs a node identical but for the socket's send call read 0.98-1.00x in
-    process, its steps 2-5 % shorter than the real node's (19 and 20 of 30 rounds in two runs),
-    while a head that read nothing during the decode changed nothing (1.005)."""
+    What the wire costs the decode here: eight TCP frames a step, one a lane, each sent on
+    loopback (which also runs the receiving side's TCP work on the sender's core), about 120 us
+    of the engine's thread a lane with the frame's making and the read of the head's reply
+    (`Connection.send_direct`), and the connection loops' wake-ups, which took 3-6 % of the
+    rate until the engine's thread read the head's replies for them (`Endpoint.glean`)."""
     from nodeagent.engine.torch_engine import TorchDaemon
 
     prompt, lanes, trials = DECODE_PROMPT, DECODE_LANES, 3 if QUICK else 5
