@@ -446,9 +446,7 @@ class Endpoint:
         if wait_ms <= 0:  # a zero-time poll would only let go of the GIL (`quick`)
             return True
         try:
-            ready = waiting.poll(wait_ms)
-        except InterruptedError:
-            return False
+            ready = waiting.poll(wait_ms)  # retried on EINTR by Python itself (PEP 475)
         except (OSError, ValueError) as e:
             raise self._io_error("receiving", e) from e
         return waiting is not self._readable or any(fd == self._sock.fileno() for fd, _ in ready)
