@@ -103,8 +103,8 @@ HEAD_FRAME_WAIT_S = 0.040
 #: How long the head's frames may wait while the engine's thread, sending a generation's tokens
 #: itself, reads them for the loop at each send (`Endpoint.glean`) and wakes it for all but
 #: acknowledgements: they wait at most a step then, and this long only once the engine stops
-#: sending without the generation ending. The loop wakes about 4 times a second instead of 25;
-#: on the 2-core machine those wake-ups cost the 8-lane decode 3 % of its rate.
+#: sending without the generation ending. In the bench's 8-lane decode a loop's passes fell
+#: from 35 to 7 a second; on the 2-core machine those wake-ups had cost 3-6 % of its rate.
 GLEANED_FRAME_WAIT_S = 0.25
 #: The head's frames that never need the loop at once: the engine's thread leaves them for its
 #: next pass.

@@ -70,7 +70,7 @@ STREAM_TOKENS = 300_000 if QUICK else 1_000_000
 #: node). 16 threads (a loop and a worker a connection) share the GIL: while each system call
 #: let go of it, the median 8-to-1 ratio read 0.87-0.95 over eight runs of `ab_stream.py` (8,600
 #: against 2,000 context switches a million tokens); with the calls that cannot block made
-#: holding it (`linkf.quick`), 1.10-1.15.
+#: holding it (`linkf.quick`), 1.10 and 1.13 in two runs.
 STREAM_TRIALS = 1 if QUICK else 9
 PROMPT = [1, 2, 3, 4]
 DECODE_TOKENS = 32
