@@ -27,6 +27,20 @@ MILLION = 1_000_000
 WRITE_TIMEOUT = 1.0
 
 
+def counted_passes(monkeypatch, counts=lambda work: True) -> dict[str, int]:
+    """A count, under "n", of the serve loop's passes from now on, of those whose `Work`
+    `counts` says to."""
+    passes = {"n": 0}
+    real = Connection.serve_pass
+
+    def counted(self, endpoint, work):
+        passes["n"] += counts(work)
+        return real(self, endpoint, work)
+
+    monkeypatch.setattr(Connection, "serve_pass", counted)
+    return passes
+
+
 def placed(head: FleetHead, session_id: int, prompt: list[int]) -> None:
     head.assign(session_id, GenParams())
     head.append(session_id, prompt)
@@ -148,14 +162,7 @@ def test_a_frame_from_the_head_waits_at_most_head_frame_wait_for_a_slow_stream(s
 
 
 def test_idle_connections_sleep_until_their_next_deadline(start_node, monkeypatch):
-    passes = {"n": 0}
-    real = Connection.serve_pass
-
-    def counted(self, endpoint, work):
-        passes["n"] += 1
-        return real(self, endpoint, work)
-
-    monkeypatch.setattr(Connection, "serve_pass", counted)
+    passes = counted_passes(monkeypatch)
     node = start_node()
     heads = [FleetHead.connect(node.addr, heartbeat=60.0) for _ in range(10)]
     try:
@@ -240,14 +247,7 @@ def test_a_stream_the_engine_sends_itself_leaves_the_loop_asleep(start_node, mon
     """While the engine's thread sends each token itself, it also reads the head's replies for
     the loop (`Endpoint.glean`): the loop makes a pass about every `GLEANED_FRAME_WAIT_S`
     (0.25 s), not every `HEAD_FRAME_WAIT_S` (40 ms)."""
-    passes = {"n": 0}
-    real = Connection.serve_pass
-
-    def counted(self, endpoint, work):
-        passes["n"] += work.generation is not None
-        return real(self, endpoint, work)
-
-    monkeypatch.setattr(Connection, "serve_pass", counted)
+    passes = counted_passes(monkeypatch, lambda work: work.generation is not None)
     node = start_node(OfferingMock())
     n = 150  # 1.5 s of 10 ms steps
     with FleetHead.connect(node.addr) as head:
