@@ -57,6 +57,15 @@ _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errn
 
 
 @dataclass(frozen=True)
+class Gleaned:
+    """What one ``Endpoint.glean`` read for its caller, and whether the endpoint's own thread
+    must wake for the rest."""
+
+    messages: list[Message]
+    wake: bool
+
+
+@dataclass(frozen=True)
 class Liveness:
     """``heartbeat``: send a KEEPALIVE after this long without sending anything.
     ``silence``: give up on a peer heard nothing from for this long; 0 = never."""
@@ -311,26 +320,28 @@ class Endpoint:
             raise TimedOut(f"nothing heard for {self.quiet_for():.1f} s", peer=self.peer)
         return messages
 
-    def glean(self, quiet: Collection[int]) -> bool:
-        """Reads what the peer has sent, without waiting, for the endpoint's own thread to get
-        from its next ``pump``: for an engine's thread that has just sent on it (``offer``), so
-        the peer's replies (acknowledgements, mostly) need no wake-up of that thread. True when
-        that thread should be woken: a message whose type is not in ``quiet`` came, or the read
-        failed (its next ``pump`` raises the failure, after the messages before it). False,
-        reading nothing, while that thread reads."""
+    def glean(self, take: Collection[int]) -> Gleaned:
+        """Reads what the peer has sent, without waiting: for an engine's thread that has just
+        sent on this endpoint (``offer``), so the peer's replies need no wake-up of the
+        endpoint's own thread. The leading messages whose type is in ``take`` and whose payload
+        decodes come back for the caller to act on; the rest wait, in order, for the next
+        ``pump``, and ``wake`` says that thread should be woken for them (or for the failure
+        the read met, which its next ``pump`` raises after the messages before it). Reads
+        nothing while that thread reads."""
         if not self._reading.acquire(blocking=False):
-            return False
+            return Gleaned([], False)
         try:
             if self._gleaned is not None:
-                return False
+                return Gleaned([], False)
             try:
                 self._read()
                 messages = self._received()
             except LinkFError as e:
                 self._gleaned = e
-                return True
-            self._pending.extend(messages)
-            return any(m.msg_type not in quiet for m in messages)
+                return Gleaned([], True)
+            lead = 0 if self._pending else _leading(messages, take)
+            self._pending.extend(messages[lead:])
+            return Gleaned(messages[:lead], lead < len(messages))
         finally:
             self._reading.release()
 
@@ -569,3 +580,12 @@ def _dial(addr: str | tuple[str, int], timeout: float | None) -> socket.socket:
         raise Io(f"connecting to {target[0]}:{target[1]}: {e}") from e
     sock.settimeout(None)
     return sock
+
+
+def _leading(messages: list[Message], types: Collection[int]) -> int:
+    """How many of ``messages`` lead with a type in ``types`` and a payload that decodes; a
+    payload that does not is left for the endpoint's own thread to meet, in its place."""
+    for i, message in enumerate(messages):
+        if message.msg_type not in types or not message.decodes():
+            return i
+    return len(messages)

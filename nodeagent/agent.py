@@ -17,9 +17,9 @@ The torch scheduler sends a step's tokens to the head itself when nothing of the
 waits in its outbox, the window has room and no other send is in progress
 (`Connection.send_direct`); else it hands them to the loop as the seed's workers did. It never
 waits: what the socket does not take at once is left for the loop to write. After each such
-send it reads what the head sent (`Endpoint.glean`) and wakes the loop only for what is not an
-acknowledgement, so while a head keeps up the loop sleeps, waking every `GLEANED_FRAME_WAIT_S`
-to take the acknowledgements and to make sure the engine still sends.
+send it reads what the head sent (`Endpoint.glean`), applies the acknowledgements itself and
+wakes the loop only for the rest, so while a head keeps up the loop sleeps, waking every
+`GLEANED_FRAME_WAIT_S` to make sure the engine still sends.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from linkf.agent import AgentSession, SelfFence
@@ -68,6 +68,7 @@ from proto.linkf import (
     TokenEvent,
     TokenEventPayload,
     TokenEventsMsg,
+    WatermarkAckMsg,
     msg_type,
 )
 from proto.linkw import MemCountersMsg
@@ -106,9 +107,11 @@ HEAD_FRAME_WAIT_S = 0.040
 #: sending without the generation ending. In the bench's 8-lane decode a loop's passes fell
 #: from 35 to 7 a second; on the 2-core machine those wake-ups had cost 3-6 % of its rate.
 GLEANED_FRAME_WAIT_S = 0.25
-#: The head's frames that never need the loop at once: the engine's thread leaves them for its
-#: next pass.
-_QUIET_TYPES = frozenset((msg_type.WATERMARK_ACK,))
+#: The head's frames the engine's thread acts on itself when it reads them after a send, as the
+#: loop would: an acknowledgement only moves the window, under the shared lock. Left for the
+#: loop, each pass it took for them held the GIL for about 70 us a frame in the bench's 8-lane
+#: decode, time taken from the engine's thread.
+_GLEANED_TYPES = frozenset((msg_type.WATERMARK_ACK,))
 #: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
 TRANSFER_WINDOW = 8
 #: Tokens of one generation the head may leave unacknowledged before the loop stops taking its
@@ -612,8 +615,15 @@ class Connection:
             endpoint.send(msg_type.STAGE_FORWARD_RESP, busy)
 
     def on_watermark_ack(self, endpoint: Endpoint, m, work: Work) -> None:
-        with self.node.shared.lock:
-            self.node.shared.agent.on_watermark_ack(m)
+        self.take_acks((m,))
+
+    def take_acks(self, acks: Iterable[WatermarkAckMsg]) -> None:
+        """Drops what the head has committed from the retry buffers, on the loop's thread or
+        the engine's."""
+        sh = self.node.shared
+        with sh.lock:
+            for ack in acks:
+                sh.agent.on_watermark_ack(ack)
 
     def on_lease_grant(self, endpoint: Endpoint, m, work: Work) -> None:
         with self.node.shared.lock:
@@ -723,9 +733,11 @@ class Connection:
                 return False
         finally:
             run.send_lock.release()
-        heard = endpoint.glean(_QUIET_TYPES)
+        gleaned = endpoint.glean(_GLEANED_TYPES)
         run.gleaned_at = time.monotonic()
-        if fenced or endpoint.unsent or heard:  # the loop ends the run, writes the rest or answers
+        if gleaned.messages:
+            self.take_acks(m.msg for m in gleaned.messages)
+        if fenced or endpoint.unsent or gleaned.wake:  # the loop ends the run, writes the rest or answers
             waker.set()
         return True
 

@@ -244,9 +244,9 @@ class OfferingMock(MockDaemon):
 
 
 def test_a_stream_the_engine_sends_itself_leaves_the_loop_asleep(start_node, monkeypatch):
-    """While the engine's thread sends each token itself, it also reads the head's replies for
-    the loop (`Endpoint.glean`): the loop makes a pass about every `GLEANED_FRAME_WAIT_S`
-    (0.25 s), not every `HEAD_FRAME_WAIT_S` (40 ms)."""
+    """While the engine's thread sends each token itself, it also reads the head's replies
+    (`Endpoint.glean`): the loop makes a pass about every `GLEANED_FRAME_WAIT_S` (0.25 s), not
+    every `HEAD_FRAME_WAIT_S` (40 ms)."""
     passes = counted_passes(monkeypatch, lambda work: work.generation is not None)
     node = start_node(OfferingMock())
     n = 150  # 1.5 s of 10 ms steps
@@ -255,6 +255,32 @@ def test_a_stream_the_engine_sends_itself_leaves_the_loop_asleep(start_node, mon
         done = head.generate(1, n)
     assert done.tokens == mock_tokens([5, 6], n) and done.finish == finish.LENGTH
     assert passes["n"] <= 15, f"{passes['n']} passes in 1.5 s of streaming (52 when the loop read every 40 ms)"
+
+
+def test_the_engine_s_thread_applies_the_acknowledgements_it_reads(start_node, monkeypatch):
+    """The acknowledgements the engine's thread reads after its sends move the window at
+    once, with the loop asleep for the whole stream: the retry buffer holds a few events, not
+    every event since the loop's last pass."""
+    monkeypatch.setattr(node_agent, "GLEANED_FRAME_WAIT_S", 30.0)
+    passes = counted_passes(monkeypatch, lambda work: work.generation is not None)
+    node = start_node(OfferingMock())
+    n = 100
+    with FleetHead.connect(node.addr) as head:
+        placed(head, 1, [5, 6])
+        stream = head.request(1, n)
+        key = (1, stream.generation_id)
+        peak = {"events": 0}
+
+        def watch() -> int:
+            with node.agent.shared.lock:
+                peak["events"] = max(peak["events"], node.agent.shared.agent.unacked(*key).events)
+            return len(head.generations[key].tokens) if key in head.generations else 0
+
+        head.until(lambda: watch() >= n - 10, 10.0, f"{n - 10} tokens")
+        during = passes["n"]
+        assert head.collect(stream).tokens == mock_tokens([5, 6], n)
+    assert during <= 3, f"the loop made {during} passes while the engine sent"
+    assert peak["events"] <= 8, f"{peak['events']} events unacknowledged at the peak"
 
 
 def test_the_engine_s_thread_wakes_the_loop_for_a_frame_that_is_not_an_acknowledgement(start_node, monkeypatch):

@@ -15,9 +15,11 @@ from linkf import (
     Closed,
     Endpoint,
     Envelope,
+    Gleaned,
     Io,
     LinkFError,
     Liveness,
+    Message,
     Payload,
     Protocol,
     TimedOut,
@@ -362,50 +364,74 @@ def test_offer_never_waits_for_a_send_in_progress_and_a_none_sends_nothing():
     assert message.seq == 3, "a None took no sequence number"
 
 
-QUIET = frozenset((msg_type.WATERMARK_ACK,))
+ACKS = frozenset((msg_type.WATERMARK_ACK,))
 
 
 def ack(n: int) -> WatermarkAckMsg:
     return WatermarkAckMsg(session_id=1, epoch=1, generation_id=1, watermark=n)
 
 
-def test_glean_leaves_quiet_frames_for_the_next_pump_and_says_when_another_came():
-    """An engine's thread reads the head's replies after its own send (`glean`): the
-    acknowledgements wait for the loop's next pump, which returns them at once, in order; any
-    other frame asks for the loop to be woken."""
+def test_glean_hands_back_the_leading_acknowledgements_and_leaves_the_rest_for_the_pump():
+    """An engine's thread reads the head's replies after its own send (`glean`): it gets the
+    acknowledgements that lead, to apply itself; the first other frame and all after it wait
+    for the loop's next pump, which returns them at once, in order, and asks for the loop to
+    be woken."""
     head, node = unix_pair()
     handshake(head, node)
-    assert node.glean(QUIET) is False, "nothing came"
+    assert node.glean(ACKS) == Gleaned([], False), "nothing came"
     for n in (1, 2, 3):
         head.send(msg_type.WATERMARK_ACK, ack(n))
     time.sleep(0.05)
-    assert node.glean(QUIET) is False
+    gleaned = node.glean(ACKS)
+    assert [m.msg for m in gleaned.messages] == [ack(1), ack(2), ack(3)] and not gleaned.wake
+    assert node.pump(0) == [], "what glean handed back is not handed out again"
+    head.send(msg_type.WATERMARK_ACK, ack(4))
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=2))
+    head.send(msg_type.WATERMARK_ACK, ack(5))
+    time.sleep(0.05)
+    gleaned = node.glean(ACKS)
+    assert [m.msg for m in gleaned.messages] == [ack(4)] and gleaned.wake
+    head.send(msg_type.WATERMARK_ACK, ack(6))
+    time.sleep(0.05)
+    assert node.glean(ACKS) == Gleaned([], True), "nothing jumps what waits for the pump"
     t0 = time.monotonic()
     got = node.pump(TIMEOUT)
     assert time.monotonic() - t0 < 0.5, "what glean read comes back without a wait"
-    assert [m.msg for m in got] == [ack(1), ack(2), ack(3)]
-    head.send(msg_type.WATERMARK_ACK, ack(4))
-    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=2))
+    assert [(m.msg_type, m.seq) for m in got] == [
+        (msg_type.LEASE_RENEW, 6),
+        (msg_type.WATERMARK_ACK, 7),
+        (msg_type.WATERMARK_ACK, 8),
+    ]
+    assert [m.msg for m in got[1:]] == [ack(5), ack(6)]
+
+
+def test_glean_leaves_an_acknowledgement_that_does_not_decode_for_the_pump_to_fail_on():
+    head, node = unix_pair()
+    handshake(head, node)
+    head.send(msg_type.WATERMARK_ACK, ack(1))
+    head.send_payload(msg_type.WATERMARK_ACK, b"\xff")  # a varint that never ends
+    head.send(msg_type.WATERMARK_ACK, ack(2))
     time.sleep(0.05)
-    assert node.glean(QUIET) is True
-    head.send(msg_type.WATERMARK_ACK, ack(5))
-    time.sleep(0.05)
-    got = node.pump(TIMEOUT)
-    assert [(m.msg_type, m.seq) for m in got] == [(msg_type.WATERMARK_ACK, 5), (msg_type.LEASE_RENEW, 6)]
-    (later,) = node.pump(TIMEOUT)
-    assert (later.msg, later.seq) == (ack(5), 7), "what glean left in the socket comes next"
+    gleaned = node.glean(ACKS)
+    assert [m.msg for m in gleaned.messages] == [ack(1)] and gleaned.wake
+    bad, good = node.pump(TIMEOUT)
+    with pytest.raises(Payload):
+        _ = bad.msg
+    assert good.msg == ack(2)
 
 
 def test_a_failure_glean_meets_is_raised_by_the_pump_after_the_frames_before_it():
     head, node = unix_pair()
     handshake(head, node)
     head.send(msg_type.WATERMARK_ACK, ack(1))
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=2))
     head.close()
     time.sleep(0.05)
-    woke = [node.glean(QUIET) for _ in range(2)]
-    assert woke == [False, True], "the acknowledgement, then the peer's close"
-    assert node.glean(QUIET) is False, "nothing more is read past a failure"
-    assert [m.msg for m in node.pump(TIMEOUT)] == [ack(1)]
+    first, second = node.glean(ACKS), node.glean(ACKS)
+    assert [m.msg for m in first.messages] == [ack(1)] and first.wake, "the acknowledgement, the renewal waits"
+    assert second == Gleaned([], True), "then the peer's close"
+    assert node.glean(ACKS) == Gleaned([], False), "nothing more is read past a failure"
+    assert [m.msg_type for m in node.pump(TIMEOUT)] == [msg_type.LEASE_RENEW]
     with pytest.raises(Closed):
         node.pump(TIMEOUT)
 
@@ -413,12 +439,12 @@ def test_a_failure_glean_meets_is_raised_by_the_pump_after_the_frames_before_it(
 def test_glean_reads_nothing_while_the_endpoint_s_own_thread_reads():
     head, node = unix_pair()
     handshake(head, node)
-    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=1))
+    head.send(msg_type.WATERMARK_ACK, ack(1))
     time.sleep(0.05)
     with node._reading:  # as a pump holds it while it reads and decodes
-        assert node.glean(frozenset()) is False
+        assert node.glean(ACKS) == Gleaned([], False)
     (message,) = node.pump(TIMEOUT)
-    assert message.msg == LeaseRenewMsg(session_id=1, epoch=1)
+    assert message.msg == ack(1)
 
 
 @settings(max_examples=25, deadline=None)
@@ -428,28 +454,34 @@ def test_glean_reads_nothing_while_the_endpoint_s_own_thread_reads():
 )
 def test_frames_read_by_glean_and_pump_together_arrive_once_each_in_order(kinds, pause):
     """The head's frames while one thread gleans over and over and the loop pumps: each
-    arrives once, in the order sent, whoever read it."""
+    arrives once, whoever read it; glean takes acknowledgements only, and each reader gets its
+    share in the order sent."""
     head, node = unix_pair()
     try:
         handshake(head, node)
         done = threading.Event()
+        gleaned: list[Message] = []
 
         def glean_until_done() -> None:
             while not done.is_set():
-                node.glean(QUIET)
+                gleaned.extend(node.glean(ACKS).messages)
                 time.sleep(pause)
 
         gleaning = background(glean_until_done)
         for i, kind in enumerate(kinds):
             head.send(kind, ack(i) if kind == msg_type.WATERMARK_ACK else LeaseRenewMsg(session_id=i, epoch=1))
-        got = []
+        pumped: list[Message] = []
         deadline = time.monotonic() + TIMEOUT
-        while len(got) < len(kinds) and time.monotonic() < deadline:
-            got += node.pump(0.01)
+        while len(pumped) + len(gleaned) < len(kinds) and time.monotonic() < deadline:
+            pumped += node.pump(0.01)
         done.set()
         gleaning()
-        assert [m.msg_type for m in got] == kinds
-        assert [m.seq for m in got] == list(range(2, 2 + len(kinds)))
+        assert all(m.msg_type == msg_type.WATERMARK_ACK for m in gleaned)
+        for share in (gleaned, pumped):
+            assert [m.seq for m in share] == sorted(m.seq for m in share)
+        every = sorted(gleaned + pumped, key=lambda m: m.seq)
+        assert [m.msg_type for m in every] == kinds
+        assert [m.seq for m in every] == list(range(2, 2 + len(kinds)))
     finally:
         head.close()
         node.close()
