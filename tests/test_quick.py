@@ -85,6 +85,50 @@ def test_a_read_larger_than_the_held_limit_takes_what_lies_beyond_it(calls, pair
     assert calls.recv(b, len(data)) == data
 
 
+def test_a_read_larger_than_the_held_limit_reads_as_its_twin(calls):
+    r, w = os.pipe()
+    try:
+        os.set_blocking(r, False)
+        data = os.urandom(3 * quick.HELD_RECV_MAX)
+        os.write(w, data)
+        assert calls.read(r, len(data)) == data
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_threads_receiving_at_once_each_get_their_own_bytes(calls):
+    """Each thread receives into a buffer of its own: with the GIL changing hands as often as
+    it can, no thread's bytes show up in another's receive."""
+    failures: list[str] = []
+
+    def receive(tag: int) -> None:
+        a, b = _pair()
+        try:
+            for i in range(2_000):
+                data = bytes([tag]) * (1 + i % 300)
+                calls.send(a, data)
+                got = calls.recv(b, 1024)
+                if got != data:
+                    failures.append(f"thread {tag}: {got[:8]!r}... for {data[:8]!r}...")
+                    return
+        finally:
+            a.close()
+            b.close()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=receive, args=(tag,)) for tag in range(1, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+
+
 def test_nothing_to_read_is_blocking_io_and_a_closed_peer_is_empty(calls, pair):
     a, b = pair
     with pytest.raises(BlockingIOError):
