@@ -127,8 +127,8 @@ StageOutput = StageHidden | StageToken
 
 @dataclass(frozen=True)
 class SchedStats:
-    """A snapshot of the scheduler's counters; `decode_tokens`, `prefill_tokens`,
-    `decode_steps` and `decode_seconds` only grow."""
+    """A snapshot of the scheduler's counters; `decode_tokens`, `prefill_tokens`, and the
+    decode steps' count and seconds only grow."""
 
     decode_tokens: int = 0
     prefill_tokens: int = 0
@@ -137,6 +137,10 @@ class SchedStats:
     #: batched steps, the mock, leaves both 0).
     decode_steps: int = 0
     decode_seconds: float = 0.0
+    #: Of `decode_seconds`, the time in the model's forward; the rest is choosing the tokens
+    #: and handing them on (to the head itself, when the engine sends them), which shows what
+    #: serving a step costs beside computing it.
+    decode_forward_seconds: float = 0.0
     queue_depth: tuple[int, ...] = field(default=(0,) * QOS_CLASSES)
     lanes_active: int = 0
     pool_blocks_used: int = 0

@@ -204,6 +204,12 @@ class _EngineCollector:
             count_value=stats.decode_steps,
             sum_value=stats.decode_seconds,
         )
+        yield SummaryMetricFamily(
+            PREFIX + "decode_forward_seconds",
+            "The model's forward in those decode steps: the rest of a step chooses its tokens and hands them on",
+            count_value=stats.decode_steps,
+            sum_value=stats.decode_forward_seconds,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -205,11 +205,17 @@ def test_decode_steps_batch_every_running_lane(make):
     widths = []
     forward = daemon._scheduler._forward
 
+    forward_s = []
+
     def spy(gens, rows, counts):
         if not widths:  # hold the first step until every lane is admitted or queued behind it
             assert wait_until(lambda: admitted_or_queued(daemon) == 8)
         widths.append((len(gens), max(counts)))
-        return forward(gens, rows, counts)
+        began = time.perf_counter()
+        try:
+            return forward(gens, rows, counts)
+        finally:
+            forward_s.append((max(counts), time.perf_counter() - began))
 
     daemon._scheduler._forward = spy
     before = daemon.sched_stats()
@@ -222,6 +228,8 @@ def test_decode_steps_batch_every_running_lane(make):
     assert sum(b for b, width in widths if width == 1) == 8 * 31
     assert after.decode_steps - before.decode_steps == sum(width == 1 for _, width in widths)
     assert after.decode_seconds > before.decode_seconds
+    in_forward = after.decode_forward_seconds - before.decode_forward_seconds
+    assert sum(s for width, s in forward_s if width == 1) <= in_forward < after.decode_seconds - before.decode_seconds
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make):

@@ -57,12 +57,12 @@ def test_engine_figures_appear_once_an_engine_is_served(served):
     assert "_created" not in text
 
 
-def test_the_decode_step_summary_is_the_schedulers_count_and_wall_time(served):
+def test_the_decode_step_summaries_are_the_schedulers_count_and_wall_times(served):
     from nodeagent.daemon import SchedStats
 
     class Stepped(MockDaemon):
         def sched_stats(self) -> SchedStats:
-            return SchedStats(decode_steps=40, decode_seconds=1.25)
+            return SchedStats(decode_steps=40, decode_seconds=1.25, decode_forward_seconds=1.0)
 
     metrics, addr = served
     metrics.serve_engine(Stepped(max_lanes=2), 2, "mock")
@@ -70,6 +70,8 @@ def test_the_decode_step_summary_is_the_schedulers_count_and_wall_time(served):
     assert "# TYPE superfluid_node_decode_step_seconds summary" in text
     assert "superfluid_node_decode_step_seconds_count 40.0" in text
     assert "superfluid_node_decode_step_seconds_sum 1.25" in text
+    assert "superfluid_node_decode_forward_seconds_count 40.0" in text
+    assert "superfluid_node_decode_forward_seconds_sum 1.0" in text
 
 
 def test_a_generation_dropped_without_a_finish_stops_counting_as_running():

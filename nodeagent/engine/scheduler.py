@@ -179,6 +179,7 @@ class Scheduler:
         self.prefill_tokens = 0
         self.decode_steps = 0
         self.decode_seconds = 0.0
+        self.decode_forward_seconds = 0.0
         #: Prompt tokens taken from the prefix cache instead of prefilled.
         self.reused_tokens = 0
         self.preemptions = 0
@@ -210,6 +211,7 @@ class Scheduler:
             prefill_tokens=self.prefill_tokens,
             decode_steps=self.decode_steps,
             decode_seconds=self.decode_seconds,
+            decode_forward_seconds=self.decode_forward_seconds,
             queue_depth=depth,
             lanes_active=sum(g is not None for g in self._lanes),
             pool_blocks_used=self.pool.used,
@@ -411,6 +413,7 @@ class Scheduler:
     def _decode_step(self, gens: list[Generation]) -> None:
         began = time.perf_counter()
         logits = self._forward(gens, [[g.tokens[-1]] for g in gens], [1] * len(gens))
+        self.decode_forward_seconds += time.perf_counter() - began
         self.decode_tokens += len(gens)
         for gen in gens:
             gen.n_cached += 1
