@@ -325,7 +325,7 @@ class FleetHead:
 
     def pump(self) -> list[Received]:
         """One read of the link; every frame it brought, handled."""
-        return [self._handle(message) for message in self.endpoint.pump()]
+        return [self.handle(message) for message in self.endpoint.pump()]
 
     def until(self, done: Callable[[], object], timeout: float, what: str) -> None:
         """Reads the link until `done()` holds; HeadTimeout naming `what` after `timeout` s."""
@@ -362,9 +362,10 @@ class FleetHead:
                 return True
         return False
 
-    def _handle(self, message: Message) -> Received:
-        """Keeps and acts on `message`; a head reads every payload, so one that does not decode
-        is `Payload` here, whatever its type."""
+    def handle(self, message: Message) -> Received:
+        """Keeps and acts on `message` (from `pump`, or from a reader of its own that runs many
+        links at once); a head reads every payload, so one that does not decode is `Payload`
+        here, whatever its type."""
         msg = message.msg
         got = Received(time.monotonic(), message, msg)
         self.received.append(got)

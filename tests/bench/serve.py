@@ -54,6 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from conformance.head import FleetHead  # noqa: E402
 from linkf.driver import Endpoint  # noqa: E402
 from linkf.errors import LinkFError  # noqa: E402
+from linkf.message import Message  # noqa: E402
 from nodeagent.agent import EVENT_TOKENS_MAX, UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX  # noqa: E402
 from nodeagent.daemon import SchedStats  # noqa: E402
 from nodeagent.engine.mock import _Stepper  # noqa: E402
@@ -103,11 +104,13 @@ class Row:
 # ---- the head: decodes and acknowledges every frame ------------------------------------------
 
 
-def read_streams(endpoints: list[Endpoint], limit: int) -> tuple[int, float]:
+def read_streams(
+    endpoints: list[Endpoint], limit: int, others: Callable[[Endpoint, Message], object] | None = None
+) -> tuple[int, float]:
     """One thread reads every endpoint from one poll(2), acknowledging each event, until each
     has sent a Finish or `limit` tokens: a Rust head runs its links as tasks on a few runtime
     threads, where a thread per link here would wake once per event each and share the GIL.
-    Returns (tokens, when the first came)."""
+    Every other frame goes to `others` (None: dropped). Returns (tokens, when the first came)."""
     left = {e.fileno(): e for e in endpoints}
     counts = dict.fromkeys(left, 0)
     readable = select.poll()
@@ -119,7 +122,7 @@ def read_streams(endpoints: list[Endpoint], limit: int) -> tuple[int, float]:
         if not ready:
             raise TimeoutError("no frame in 30 s")
         for fd, _ in ready:
-            taken, finished = _take_events(left[fd])
+            taken, finished = _take_events(left[fd], others)
             if taken and first is None:
                 first = time.monotonic()
             counts[fd] += taken
@@ -129,11 +132,14 @@ def read_streams(endpoints: list[Endpoint], limit: int) -> tuple[int, float]:
     return sum(counts.values()), first
 
 
-def _take_events(endpoint: Endpoint) -> tuple[int, bool]:
-    """Acknowledges each event that has come; (tokens, whether a Finish came)."""
+def _take_events(endpoint: Endpoint, others: Callable[[Endpoint, Message], object] | None) -> tuple[int, bool]:
+    """Acknowledges each event that has come, handing any other frame to `others`; (tokens,
+    whether a Finish came)."""
     tokens = 0
     for message in endpoint.pump(0):
         if message.msg_type != msg_type.TOKEN_EVENTS:
+            if others is not None:
+                others(endpoint, message)
             continue
         for ev in message.msg.events:
             acknowledge(endpoint, ev)
@@ -581,10 +587,15 @@ def _decode_in_process(daemon, prompt: list[int], lanes: int) -> float:
 def _decode_over_the_wire(heads: list[FleetHead]) -> float:
     """Each head asks for `DECODE_TOKENS`, read together by `read_streams` (FleetHead's own
     bookkeeping cost 250-350 µs of CPU a token, on a 2-core machine taken from the engine,
-    which a head on another machine does not cost)."""
+    which a head on another machine does not cost). Each head answers the rest itself: the
+    node asks for its sessions' leases to be renewed after 90 s, and fences them, silencing
+    their generations, once the 120 s lease runs out."""
+    by_endpoint = {h.endpoint: h for h in heads}
     began = time.monotonic()
     reqs = [h.request(10 + i, DECODE_TOKENS) for i, h in enumerate(heads)]
-    tokens, _ = read_streams([h.endpoint for h in heads], DECODE_TOKENS + 1)  # on to the Finish
+    tokens, _ = read_streams(
+        list(by_endpoint), DECODE_TOKENS + 1, lambda e, m: by_endpoint[e].handle(m)
+    )  # on to the Finish
     took = time.monotonic() - began
     if tokens != DECODE_TOKENS * len(heads):  # a round cut short says why, not a division by 0
         raise RuntimeError(f"a decode round over the wire brought {tokens} tokens, not {DECODE_TOKENS * len(heads)}")
