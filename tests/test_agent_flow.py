@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from polling import wait_until
@@ -41,6 +42,21 @@ def counted_passes(monkeypatch, counts=lambda work: True) -> dict[str, int]:
     return passes
 
 
+def window_watch(node, head: FleetHead, key: tuple[int, int]) -> tuple[dict[str, int], Callable[[], int]]:
+    """The peak of what the head has left unacknowledged of generation `key` (events and
+    tokens), and a watch that notes it and returns how many tokens the head has."""
+    peak = {"events": 0, "tokens": 0}
+
+    def watch() -> int:
+        with node.agent.shared.lock:
+            unacked = node.agent.shared.agent.unacked(*key)
+        peak["events"] = max(peak["events"], unacked.events)
+        peak["tokens"] = max(peak["tokens"], unacked.tokens)
+        return len(head.generations[key].tokens) if key in head.generations else 0
+
+    return peak, watch
+
+
 def placed(head: FleetHead, session_id: int, prompt: list[int]) -> None:
     head.assign(session_id, GenParams())
     head.append(session_id, prompt)
@@ -52,15 +68,7 @@ def test_a_million_token_stream_leaves_the_head_heard_and_the_window_bounded(nod
         placed(head, 1, prompt)
         stream = head.request(1, MILLION)
         key = (1, stream.generation_id)
-        peak = {"events": 0, "tokens": 0}
-
-        def watch() -> int:
-            with node.agent.shared.lock:
-                unacked = node.agent.shared.agent.unacked(*key)
-            peak["events"] = max(peak["events"], unacked.events)
-            peak["tokens"] = max(peak["tokens"], unacked.tokens)
-            return len(head.generations[key].tokens) if key in head.generations else 0
-
+        peak, watch = window_watch(node, head, key)
         head.until(lambda: watch() >= 20_000, 10.0, "20,000 tokens")
         second = head.request(1, 16)
         asked = time.monotonic()
@@ -269,13 +277,7 @@ def test_the_engine_s_thread_applies_the_acknowledgements_it_reads(start_node, m
         placed(head, 1, [5, 6])
         stream = head.request(1, n)
         key = (1, stream.generation_id)
-        peak = {"events": 0}
-
-        def watch() -> int:
-            with node.agent.shared.lock:
-                peak["events"] = max(peak["events"], node.agent.shared.agent.unacked(*key).events)
-            return len(head.generations[key].tokens) if key in head.generations else 0
-
+        peak, watch = window_watch(node, head, key)
         head.until(lambda: watch() >= n - 10, 10.0, f"{n - 10} tokens")
         during = passes["n"]
         assert head.collect(stream).tokens == mock_tokens([5, 6], n)

@@ -593,12 +593,12 @@ def _decode_over_the_wire(heads: list[FleetHead]) -> float:
     by_endpoint = {h.endpoint: h for h in heads}
     began = time.monotonic()
     reqs = [h.request(10 + i, DECODE_TOKENS) for i, h in enumerate(heads)]
-    tokens, _ = read_streams(
-        list(by_endpoint), DECODE_TOKENS + 1, lambda e, m: by_endpoint[e].handle(m)
-    )  # on to the Finish
+    # One token past the asked for: each stream is read on to its Finish.
+    tokens, _ = read_streams(list(by_endpoint), DECODE_TOKENS + 1, lambda e, m: by_endpoint[e].handle(m))
     took = time.monotonic() - began
-    if tokens != DECODE_TOKENS * len(heads):  # a round cut short says why, not a division by 0
-        raise RuntimeError(f"a decode round over the wire brought {tokens} tokens, not {DECODE_TOKENS * len(heads)}")
+    expected = DECODE_TOKENS * len(heads)
+    if tokens != expected:  # a round cut short says why, not a division by 0
+        raise RuntimeError(f"a decode round over the wire brought {tokens} tokens, not {expected}")
     for h, req in zip(heads, reqs, strict=True):
         h.session.retire_generation(req.session_id, req.generation_id)
     return tokens / took
