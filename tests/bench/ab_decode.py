@@ -6,7 +6,9 @@ Starts one `superfluid-noded --model builtin` from each tree (each imports its o
 in this process. Each round decodes `serve.DECODE_TOKENS` tokens on 8 lanes in process, on node
 A and on node B, in an order that rotates through all six, and takes each one's mean decode
 step (the scheduler's count, in process or from the node's /metrics). Prints the medians, and
-for A against B the median step ratio and how many rounds B won. Over one run of 30 rounds, two
+for A against B the median step ratio and how many rounds B won. It prints each node's part of a
+step beside the model's forward too (choosing the tokens and sending them), the part a change
+to the send path moves, without the forward's own swing. Over one run of 30 rounds, two
 copies of the same tree read 1.007 (15 of 30), and one pair of trees read 1.021 and then 0.992
 in two runs: on the 2-core machine a difference under about 2 % needs several runs.
 
@@ -109,6 +111,12 @@ def report(results: dict[str, list[Decode]], trees: list[Path], rounds: int) -> 
     print(
         f"  node A / node B step: median {statistics.median(a_over_b):.3f} (above 1: B faster);"
         f" B won {sum(r > 1 for r in a_over_b)} of {rounds} rounds"
+    )
+    beside = {k: [d.serving_s for d in results[k]] for k in ("A", "B")}
+    print(
+        f"  beside the forward: node A {statistics.median(beside['A']) * 1000:.3f} ms, node B"
+        f" {statistics.median(beside['B']) * 1000:.3f} ms; B less in"
+        f" {sum(a > b for a, b in zip(beside['A'], beside['B'], strict=True))} of {rounds} rounds"
     )
 
 

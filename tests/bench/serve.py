@@ -461,8 +461,13 @@ def torch_rows(home: Path) -> list[Row]:
     loopback (which also runs the receiving side's TCP work on the sender's core), made and
     sent on the engine's thread with the read of the head's reply (`Connection.send_direct`),
     and the connection loops' wake-ups, which took 3-6 % of the rate until the engine's thread
-    read the head's replies for them (`Endpoint.glean`). py-spy on the node (1 kHz, 15 s of
-    these rounds) found the decode step 95.5 % in the forward and 1.9 % in `send_direct`.
+    read the head's replies for them (`Endpoint.glean`). Timed in the node (a wrapper around
+    each call, 10-12 rounds, five runs), a step's eight `send_direct` calls took 730-920 us in
+    all: the first after the forward 340-400 us, the others 45-95 us each. Every part of that
+    first call is slower alike (the kernel's send 90 us against 11, the payload's encoding 51
+    against 7) and its thread is on the CPU throughout: its code and data come back from
+    memory once the forward has been through the caches. (py-spy, sampling at 1-2 kHz, fell
+    behind and put `send_direct` at 1.9 % of the step; these timings make it 4-5 %.)
     The forward itself runs a few per cent faster or slower in the node than here from one
     run to the next, which is why the last row leaves it out."""
     from nodeagent.engine.torch_engine import TorchDaemon
