@@ -118,7 +118,7 @@ def test_varint_out_of_range_is_not_encoded(wire, value):
     assert "out of the" in str(encode_error(value, wire))
 
 
-@pytest.mark.parametrize("value", ["1", 1.0, None, b"\x01"])
+@pytest.mark.parametrize("value", ["1", 1.0, 20000.0, 3e8, None, b"\x01"])
 def test_varint_of_another_type_is_not_encoded(value):
     encode_error(value, U64)
 

@@ -153,6 +153,40 @@ def read(wire, data):
         return (e.reason, e.offset)
 
 
+def leb128(value):
+    """A varint's bytes the long way, seven bits a byte."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+class _Int(int):
+    """An int that is not exactly `int`, as an IntEnum or a numpy integer is not."""
+
+
+#: The first and last value of each varint length, where a writer's shortcut may go wrong.
+VARINT_EDGES = st.sampled_from(sorted({(1 << 7 * n) + d for n in range(1, 10) for d in (-1, 0, 1)}))
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=VARINT_EDGES | st.integers(0, (1 << 64) - 1))
+def test_a_varint_writes_as_leb128_alone_and_in_a_struct(value):
+    """The generated varint writer, which writes up to four bytes without a call, against a
+    plain byte loop; an int subclass takes the writer's other way and writes the same."""
+    for wire, field, bits in [(pc.U16, _Field16, 16), (pc.U32, _Field32, 32), (pc.U64, _Field64, 64)]:
+        if value >= 1 << bits:
+            with pytest.raises(PostcardError):
+                to_bytes(field(v=value))
+            continue
+        expected = leb128(value)
+        assert to_bytes(value, wire) == expected
+        assert to_bytes(field(v=value)) == expected
+        assert to_bytes(field(v=_Int(value))) == expected
+
+
 # Continuation bytes, and the bytes about each width's largest last byte (u64 1, u16 3, u32 15).
 VARINT_BYTES = st.sampled_from([0x80, 0x81, 0xFF, 0, 1, 2, 3, 4, 15, 16, 0x7F]) | st.integers(0, 255)
 
