@@ -978,8 +978,9 @@ def to_bytes(value: Any, wire: Any = None) -> bytes:
 def from_bytes(cls: Any, data: Any) -> Any:
     """The `cls` value at the start of `data`; bytes after it are ignored, as Rust's
     `postcard::from_bytes` does."""
-    read = _READERS.get(cls)
-    if read is None:
+    try:
+        read = _READERS[cls]
+    except KeyError:
         read = _reader(cls)
     if type(data) is not bytes:
         try:
