@@ -463,7 +463,7 @@ def torch_rows(home: Path) -> list[Row]:
     and the connection loops' wake-ups, which took 3-6 % of the rate until the engine's thread
     read the head's replies for them (`Endpoint.glean`). Timed in the node (a wrapper around
     each call, 10-12 rounds, five runs), a step's eight `send_direct` calls took 730-920 us in
-    all: the first after the forward 340-400 us, the others 45-95 us each. Every part of that
+    all: the first after the forward 340-400 us, the others 43-98 us each. Every part of that
     first call is slower alike (the kernel's send 90 us against 11, the payload's encoding 51
     against 7) and its thread is on the CPU throughout: its code and data come back from
     memory once the forward has been through the caches. (py-spy, sampling at 1-2 kHz, fell
