@@ -467,7 +467,11 @@ def torch_rows(home: Path) -> list[Row]:
     first call is slower alike (the kernel's send 90 us against 11, the payload's encoding 51
     against 7) and its thread is on the CPU throughout: its code and data come back from
     memory once the forward has been through the caches. (py-spy, sampling at 1-2 kHz, fell
-    behind and put `send_direct` at 1.9 % of the step; these timings make it 4-5 %.)
+    behind and put `send_direct` at 1.9 % of the step; these timings make it 4-5 %.) A
+    `send_direct` cut down to the event, its encoding and the send (no window check, metrics,
+    frame object or `offer`) took 0.1 ms a step off the part beside the forward (1.18 to 1.08
+    ms, two paired runs of `ab_decode.py`), and reading the head's replies every other step
+    15 us: what is left is the message itself and the kernel's loopback send and receive.
     The forward itself runs a few per cent faster or slower in the node than here from one
     run to the next, which is why the last row leaves it out."""
     from nodeagent.engine.torch_engine import TorchDaemon
