@@ -410,6 +410,10 @@ def load(opts: Options, runtime: str):
     else:
         max_context = None if opts.max_context is None else max(opts.max_context, MIN_CONTEXT)
     try:
+        if runtime == "torch":
+            from nodeagent.engine.torch_engine import reserve_serving_cpu
+
+            reserve_serving_cpu(opts.device)
         return open_engine(
             runtime,
             opts.model,

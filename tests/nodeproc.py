@@ -18,11 +18,13 @@ START_TIMEOUT = 20.0
 
 class Noded:
     """One `superfluid-noded` process; its stderr is read on a thread, line by line. It waits
-    for `ready` (the serving line by default; None: nothing) before it returns."""
+    for `ready` (the serving line by default; None: nothing) before it returns. `env` adds to
+    this process's environment; a variable given as None is left out."""
 
-    def __init__(self, args, home, ready: re.Pattern | None = SERVING, **env):
+    def __init__(self, args, home, ready: re.Pattern | None = SERVING, **env: str | None):
         base = {k: v for k, v in os.environ.items() if k not in ("SUPERFLUID_LOG", "RUST_LOG")}
         base.update(HOME=str(home), SUPERFLUID_HOME=str(home / ".superfluid"), **env)
+        base = {k: v for k, v in base.items() if v is not None}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nodeagent", *args],
             env=base,

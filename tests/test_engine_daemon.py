@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -9,10 +10,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from nodeagent.daemon import GenExtras, StageError, StageHidden, StageToken
+from nodeagent.daemon import GenExtras, ModelLoadError, StageError, StageHidden, StageToken
 from nodeagent.engine import open_engine
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
+from nodeagent.engine.torch_engine import reserve_serving_cpu, serving_threads
 from nodeagent.params import GenParams
 
 CPU = torch.device("cpu")
@@ -46,11 +50,12 @@ def test_builtin_is_small_fast_to_build_and_always_the_same():
 def test_builtin_daemon_describes_itself_and_generates(builtin):
     assert builtin.model_name == "builtin"
     assert builtin.max_stream_tokens() == 2048
-    assert re.fullmatch(
-        r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, weights 69 MB, "
-        r"kv pool 409 blocks of 16 tokens \(64 MB, taken as used\), \d+ MB free",
+    described = re.fullmatch(
+        r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, (\d+) CPU threads?, "
+        r"weights 69 MB, kv pool 409 blocks of 16 tokens \(64 MB, taken as used\), \d+ MB free",
         builtin.summary(),
     )
+    assert int(described.group(1)) == torch.get_num_threads()
     tokens = generate(builtin, [1, 450, 4996, 17354])
     assert len(tokens) == 8 and all(0 <= t < 32000 for t in tokens)
     assert generate(builtin, [1, 450, 4996, 17354]) == tokens
@@ -128,3 +133,29 @@ def test_dtype_flag_picks_the_weights_precision():
         assert len(generate(daemon, [1, 2, 3], 4)) == 4
     finally:
         daemon.close()
+
+
+@given(torch_threads=st.integers(1, 512), cpus=st.integers(1, 1024))
+def test_serving_threads_keep_one_cpu_for_the_serve_loop(torch_threads, cpus):
+    n = serving_threads(torch_threads, cpus)
+    assert 1 <= n <= torch_threads, "at least one thread, never more than torch would run"
+    assert n <= max(1, cpus - 1), "one CPU is left to the connection loops"
+    if torch_threads < cpus:
+        assert n == torch_threads, "torch's default already leaves a CPU: it stands"
+
+
+def test_a_node_on_the_cpu_leaves_a_cpu_to_its_serve_loop_unless_the_operator_says_otherwise():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(os.cpu_count() or 1)
+        want = serving_threads(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        assert reserve_serving_cpu("cpu", env={}) == want
+        assert torch.get_num_threads() == want
+        torch.set_num_threads(os.cpu_count() or 1)
+        for env in ({"OMP_NUM_THREADS": "3"}, {"MKL_NUM_THREADS": "3"}):
+            assert reserve_serving_cpu("cpu", env=env) is None
+            assert torch.get_num_threads() == (os.cpu_count() or 1), f"{env} is the operator's choice"
+        with pytest.raises(ModelLoadError, match="unknown device"):
+            reserve_serving_cpu("tpu", env={})
+    finally:
+        torch.set_num_threads(before)

@@ -4,6 +4,7 @@ the logging and the connection limits this port adds)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -232,8 +233,12 @@ def _split(addr: str):
 def test_the_builtin_torch_model_serves_what_it_serves_in_process(noded):
     from nodeagent.engine.torch_engine import TorchDaemon
 
-    node = noded("--listen", "127.0.0.1:0", "--model", "builtin", "--device", "cpu", "--max-batch", "2")
+    args = ("--listen", "127.0.0.1:0", "--model", "builtin", "--device", "cpu", "--max-batch", "2")
+    # The node picks its own thread count, whatever the shell running the tests set.
+    node = noded(*args, OMP_NUM_THREADS=None, MKL_NUM_THREADS=None)
     assert node.lines[0].startswith("superfluid-noded: runtime torch (builtin, cpu")
+    threads = int(re.search(r", (\d+) CPU threads?, ", node.lines[0]).group(1))
+    assert threads <= max(1, len(os.sched_getaffinity(0)) - 1), "the node leaves a CPU to its serve loop"
     assert node.model_name == "builtin"
     prompt = [11, 22, 33, 44, 55]
     local = TorchDaemon.load("builtin", device="cpu", max_batch=1)

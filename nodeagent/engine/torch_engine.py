@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -229,8 +230,14 @@ class TorchDaemon(Daemon):
         )
         return (
             f"runtime torch ({self._name}, {self.model.device.type} {dtype}), context window "
-            f"{self.context} tokens, {self.max_batch} lanes, {self._memory()}"
+            f"{self.context} tokens, {self.max_batch} lanes, {self._threads()}{self._memory()}"
         )
+
+    def _threads(self) -> str:
+        if self.model.device.type != "cpu":
+            return ""
+        n = torch.get_num_threads()
+        return f"{n} CPU thread{'s' if n > 1 else ''}, "
 
     def _memory(self) -> str:
         """What the weights and the KV pool take and what the device has left."""
@@ -352,6 +359,29 @@ def return_freed_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def serving_threads(torch_threads: int, cpus: int) -> int:
+    """torch's intra-op threads for a node on the CPU: torch's own default, but never every CPU.
+
+    The forward's parallel regions wait for their slowest thread, and on a node that thread
+    shares its CPU with the connection loops, the sends and (on loopback) the head's receives.
+    On the 2-core development machine one thread decoded the builtin model's 8 lanes faster
+    than two, over the wire and in process alike (README, "CPU threads"). torch's default is
+    the physical cores, so a machine with SMT keeps it whole."""
+    return max(1, min(torch_threads, cpus - 1))
+
+
+def reserve_serving_cpu(device: str, env: Mapping[str, str] = os.environ) -> int | None:
+    """Give torch `serving_threads` for a node whose engine runs on the CPU, unless the
+    operator set OMP_NUM_THREADS or MKL_NUM_THREADS. Returns the count set, else None. It is
+    the node process's choice, made before the engine starts its threads; the engine itself
+    leaves the process's thread count alone, so tests and benches keep theirs."""
+    if env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS") or _resolve_device(device).type != "cpu":
+        return None
+    n = serving_threads(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+    torch.set_num_threads(n)
+    return n
 
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

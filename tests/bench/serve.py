@@ -456,6 +456,8 @@ def torch_rows(home: Path) -> list[Row]:
     elsewhere on the machine does not decide the figure. Each decode round gives two figures:
     its tokens a second, and the engine's mean decode step (the scheduler's own count, read
     in process or from the node's /metrics), which leaves out the round's prefill and start.
+    The engine here takes the node's own CPU thread count (`reserve_serving_cpu`, one CPU left
+    to the serve loop), so both sides run the same forward.
 
     What the wire costs the decode here: eight TCP frames a step, one a lane, each sent on
     loopback (which also runs the receiving side's TCP work on the sender's core), made and
@@ -474,9 +476,13 @@ def torch_rows(home: Path) -> list[Row]:
     15 us: what is left is the message itself and the kernel's loopback send and receive.
     The forward itself runs a few per cent faster or slower in the node than here from one
     run to the next, which is why the last row leaves it out."""
-    from nodeagent.engine.torch_engine import TorchDaemon
+    import torch
+
+    from nodeagent.engine.torch_engine import TorchDaemon, reserve_serving_cpu
 
     prompt, lanes, trials = DECODE_PROMPT, DECODE_LANES, 3 if QUICK else 5
+    reserve_serving_cpu("cpu")
+    threads = torch.get_num_threads()
     daemon = TorchDaemon.load("builtin", device="cpu", max_batch=lanes)
     node, metrics = start_decode_node(home)
     ttft_local, ttft_wire = [], []
@@ -513,7 +519,7 @@ def torch_rows(home: Path) -> list[Row]:
             ttft_w <= ttft_l + 10,
         ),
         Row(
-            f"torch builtin: {lanes}-lane decode",
+            f"torch builtin: {lanes}-lane decode, {threads} CPU thread{'s' if threads > 1 else ''}",
             f"wire {statistics.median(w.rate for w in wire):.0f} tok/s, in process"
             f" {statistics.median(loc.rate for loc in local):.0f} tok/s; median of {len(rates)} paired rounds"
             f" {statistics.median(rates):.2f}x ({rates[0]:.2f}-{rates[-1]:.2f})",
