@@ -451,8 +451,10 @@ def never_ack_rows(home: Path) -> list[Row]:
 
 
 def torch_rows(home: Path) -> list[Row]:
-    """Time to first token is the best of two rounds that alternate in process and over the
-    wire; the decode figures the median ratio of paired rounds. Either way a burst of load
+    """Time to first token is the best of three rounds that alternate in process and over the
+    wire, each the median of nine (one prefill ranged 31-43 ms, tenth to ninetieth percentile,
+    over 60 trials on a busy day, so a median of five could swing either side by several
+    milliseconds); the decode figures the median ratio of paired rounds. Either way a burst of load
     elsewhere on the machine does not decide the figure. Each decode round gives two figures:
     its tokens a second, and the engine's mean decode step (the scheduler's own count, read
     in process or from the node's /metrics), which leaves out the round's prefill and start.
@@ -480,7 +482,7 @@ def torch_rows(home: Path) -> list[Row]:
 
     from nodeagent.engine.torch_engine import TorchDaemon, reserve_serving_cpu
 
-    prompt, lanes, trials = DECODE_PROMPT, DECODE_LANES, 3 if QUICK else 5
+    prompt, lanes, trials = DECODE_PROMPT, DECODE_LANES, 5 if QUICK else 9
     reserve_serving_cpu("cpu")
     threads = torch.get_num_threads()
     daemon = TorchDaemon.load("builtin", device="cpu", max_batch=lanes)
@@ -493,7 +495,7 @@ def torch_rows(home: Path) -> list[Row]:
             head.assign(1, GenParams())
             head.append(1, prompt)
             heads = decode_heads(node.addr)
-            for _ in range(2):
+            for _ in range(3):
                 ttft_local.append(statistics.median(_first_token_in_process(daemon, prompt) for _ in range(trials)))
                 ttft_wire.append(statistics.median(_first_token_over_the_wire(head, 1) for _ in range(trials)))
             for r in range(DECODE_ROUNDS):
