@@ -1,7 +1,7 @@
 """The bounded hand-off from a generation's worker to its connection's loop (the seed's mpsc
 channel, with a bound).
 
-The worker puts one batch per engine step and blocks while `OUTBOX_BATCHES` batches wait, so a
+The worker puts one batch per engine step and blocks while the outbox's slots are full, so a
 loop that falls behind (a head that does not read or does not acknowledge) holds the generation
 back instead of letting its tokens pile up in memory. An engine may ask `behind()` before a step
 and give its lane to another generation while this one cannot move. Every hand-over sets the
@@ -21,16 +21,39 @@ from dataclasses import dataclass
 from linkf.waker import Waker
 from nodeagent.daemon import DaemonError, GenerationResult
 
-#: Batches the worker may have handed over and the loop not yet taken: with the mock's 64-token
-#: batches and the torch engine's one token a step, at most 4,096 tokens wait here.
+#: Slots of the outbox: the worker waits while the batches it handed over and the loop has not
+#: taken fill them. A batch takes a slot for each `SLOT_TOKENS` tokens it carries, at least
+#: one, so at most 4,096 tokens wait here whatever the batch size: 64 of the torch engine's
+#: one-token steps, or 4 of the mock's 1,024-token batches.
 OUTBOX_BATCHES = 64
+SLOT_TOKENS = 64
 #: How often a worker blocked on a full outbox looks at its cancel flag.
 _CANCEL_CHECK = 0.05
 
 
+def _slots(item: list[int] | Done) -> int:
+    return max(1, -(-len(item) // SLOT_TOKENS)) if isinstance(item, list) else 1
+
+
 class _Batches(queue.Queue):
-    """A bounded `queue.Queue` that can also wait for room without putting anything, and take
-    an engine's `offer` past its bound."""
+    """A `queue.Queue` bounded in slots (`_slots` of each item, not one an item) that can also
+    wait for room without putting anything, and take an engine's `offer` past its bound."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self._taken = 0
+
+    def _qsize(self) -> int:
+        return self._taken
+
+    def _put(self, item: list[int] | Done) -> None:
+        self.queue.append(item)
+        self._taken += _slots(item)
+
+    def _get(self) -> list[int] | Done:
+        item = self.queue.popleft()
+        self._taken -= _slots(item)
+        return item
 
     def wait_not_full(self, timeout: float) -> bool:
         with self.not_full:

@@ -302,3 +302,31 @@ def test_the_engine_s_thread_wakes_the_loop_for_a_frame_that_is_not_an_acknowled
         assert head.generations[(1, second.generation_id)].finish == finish.DECLINED
         assert declined_after < 0.2, f"declined after {declined_after:.3f} s"
         assert head.collect(stream).finish == finish.LENGTH
+
+
+@pytest.mark.parametrize("batch", [1, 63, 64, 65, 1024])
+def test_the_outbox_bounds_the_tokens_that_wait_whatever_the_batch_size(batch):
+    from linkf.waker import Waker
+    from nodeagent.outbox import OUTBOX_BATCHES, SLOT_TOKENS, Outbox
+
+    waker = Waker()
+    out = Outbox(waker, threading.Event())
+    per_batch = -(-batch // SLOT_TOKENS)
+    fits = -(-OUTBOX_BATCHES // per_batch)
+    for i in range(fits):
+        assert not out.behind(), f"{i} batches of {batch} tokens leave room"
+        assert out.put(list(range(batch)))
+    assert out.behind(), f"{fits} batches of {batch} tokens fill it"
+    assert fits * batch <= OUTBOX_BATCHES * SLOT_TOKENS, "never more than 4,096 tokens wait"
+    tokens, done = out.take(batch)
+    assert tokens == list(range(batch)) and done is None
+    assert not out.behind(), "taking a batch frees its slots"
+    assert out.offer(list(range(batch))) and out.offer(list(range(batch))), "an offer goes past the bound"
+    assert len(out.take(10**9)[0]) == (fits + 1) * batch
+    waker.close()
+
+
+def test_a_mock_batch_is_one_full_event():
+    from nodeagent.engine.mock import DEFAULT_BATCH_TOKENS
+
+    assert DEFAULT_BATCH_TOKENS == node_agent.EVENT_TOKENS_MAX, "each hand-over is one frame's worth"
