@@ -25,7 +25,7 @@ from nodeagent.daemon import DaemonError, GenerationResult
 #: taken fill them. A batch takes a slot for each `SLOT_TOKENS` tokens it carries, at least
 #: one, so at most 4,096 tokens wait here whatever the batch size: 64 of the torch engine's
 #: one-token steps, or 4 of the mock's 1,024-token batches.
-OUTBOX_BATCHES = 64
+OUTBOX_SLOTS = 64
 SLOT_TOKENS = 64
 #: How often a worker blocked on a full outbox looks at its cancel flag.
 _CANCEL_CHECK = 0.05
@@ -41,18 +41,18 @@ class _Batches(queue.Queue):
 
     def _init(self, maxsize: int) -> None:
         super()._init(maxsize)
-        self._taken = 0
+        self._filled = 0
 
     def _qsize(self) -> int:
-        return self._taken
+        return self._filled
 
     def _put(self, item: list[int] | Done) -> None:
         self.queue.append(item)
-        self._taken += _slots(item)
+        self._filled += _slots(item)
 
     def _get(self) -> list[int] | Done:
         item = self.queue.popleft()
-        self._taken -= _slots(item)
+        self._filled -= _slots(item)
         return item
 
     def wait_not_full(self, timeout: float) -> bool:
@@ -83,7 +83,7 @@ class Outbox:
         self,
         waker: Waker,
         cancel: threading.Event,
-        capacity: int = OUTBOX_BATCHES,
+        capacity: int = OUTBOX_SLOTS,
         send: Callable[[list[int]], bool] | None = None,
     ) -> None:
         self._queue = _Batches(maxsize=capacity)

@@ -307,17 +307,17 @@ def test_the_engine_s_thread_wakes_the_loop_for_a_frame_that_is_not_an_acknowled
 @pytest.mark.parametrize("batch", [1, 63, 64, 65, 1024])
 def test_the_outbox_bounds_the_tokens_that_wait_whatever_the_batch_size(batch):
     from linkf.waker import Waker
-    from nodeagent.outbox import OUTBOX_BATCHES, SLOT_TOKENS, Outbox
+    from nodeagent.outbox import OUTBOX_SLOTS, SLOT_TOKENS, Outbox
 
     waker = Waker()
     out = Outbox(waker, threading.Event())
     per_batch = -(-batch // SLOT_TOKENS)
-    fits = -(-OUTBOX_BATCHES // per_batch)
+    fits = -(-OUTBOX_SLOTS // per_batch)
     for i in range(fits):
         assert not out.behind(), f"{i} batches of {batch} tokens leave room"
         assert out.put(list(range(batch)))
     assert out.behind(), f"{fits} batches of {batch} tokens fill it"
-    assert fits * batch <= OUTBOX_BATCHES * SLOT_TOKENS, "never more than 4,096 tokens wait"
+    assert fits * batch <= OUTBOX_SLOTS * SLOT_TOKENS, "never more than 4,096 tokens wait"
     tokens, done = out.take(batch)
     assert tokens == list(range(batch)) and done is None
     assert not out.behind(), "taking a batch frees its slots"

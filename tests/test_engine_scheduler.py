@@ -445,7 +445,7 @@ def test_a_consumer_that_falls_behind_holds_its_lane_back_then_gets_the_rest(mak
     """Nobody takes from the outbox: the lane stops once the outbox is full (one token a step,
     so at most one past the bound) while another lane runs its whole budget; taking again lets
     it finish with every token in order."""
-    from nodeagent.outbox import OUTBOX_BATCHES
+    from nodeagent.outbox import OUTBOX_SLOTS
 
     daemon = make(max_batch=2)
     taker = Taker()
@@ -455,7 +455,7 @@ def test_a_consumer_that_falls_behind_holds_its_lane_back_then_gets_the_rest(mak
         other = run(daemon, prompt=(1, 2, 3), max_tokens=150)
         assert len(other.tokens) == 150
         decoded = daemon.sched_stats().decode_tokens - len(other.tokens)
-        assert decoded <= OUTBOX_BATCHES + 1, f"the held lane decoded {decoded} tokens past its outbox"
+        assert decoded <= OUTBOX_SLOTS + 1, f"the held lane decoded {decoded} tokens past its outbox"
         assert not taker.ended.is_set()
         taker.take_to_the_end()
         result = held()
