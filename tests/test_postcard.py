@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeagent.params import GenParams
@@ -44,6 +44,7 @@ from proto.postcard import (
     Tuple,
     Unit,
     Vec,
+    _varints_at_once,
     data_enum,
     from_bytes,
     struct,
@@ -222,6 +223,44 @@ def test_a_token_list_is_its_varints_whether_or_not_the_table_has_them(tokens, w
     first = to_bytes(tokens, Vec[wire])
     assert first == to_bytes(len(tokens), U64) + each
     assert to_bytes(tokens, Vec[wire]) == first
+
+
+#: Values about each varint length's edges, and zeros, which the whole-list writer leaves to
+#: the table.
+LONG_LIST_VALUES = st.sampled_from([0, 1, 127, 128, 16383, 16384, (1 << 21) - 1, 1 << 21, (1 << 28) - 1, 1 << 28])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    wire=st.sampled_from([U16, U32]),
+    n=st.sampled_from([127, 128, 129, 1023, 1024, 1025, 2049]) | st.integers(100, 2100),
+)
+def test_a_long_list_writes_each_varint_as_a_short_one_does(data, wire, n):
+    """Lists of `postcard._AT_ONCE_MIN` values and more are written all at once, a run of
+    `_AT_ONCE_RUN` at a time: the same bytes as each value alone, zeros among them or not (the
+    whole-list writer leaves a list with a zero to the table, and must write every other)."""
+    top = 0xFFFF if wire is U16 else 0xFFFFFFFF
+    value = LONG_LIST_VALUES.filter(lambda x: x <= top) | st.integers(0, top)
+    if data.draw(st.booleans(), "no zero"):
+        value = value.filter(bool)
+    values = data.draw(st.lists(value, min_size=n, max_size=n))
+    each = b"".join(to_bytes(x, wire) for x in values)
+    expected = to_bytes(n, U64) + each
+    assert to_bytes(values, Vec[wire]) == expected
+    assert _varints_at_once(values, 16 if wire is U16 else 32) == (None if 0 in values else each)
+    assert to_bytes(tuple(values), Vec[wire]) == expected
+    assert from_bytes(Vec[wire], expected) == values
+
+
+def test_a_long_list_with_a_bad_value_fails_as_a_short_one_does():
+    long = [5] * 300
+    assert str(encode_error(long + [1 << 32], Vec[U32])).startswith("Vec<u32>[300]: ")
+    assert str(encode_error(long + [1 << 16], Vec[U16])).startswith("Vec<u16>[300]: ")
+    assert str(encode_error(long + [-1], Vec[U32])).startswith("Vec<u32>[300]: ")
+    assert "Vec<u32>[300]" in str(encode_error(long + [2.0], Vec[U32]))
+    assert to_bytes(b"ab" * 150, Vec[U32]) == to_bytes([0x61, 0x62] * 150, Vec[U32])
+    assert to_bytes([np.uint32(70000)] * 200, Vec[U32]) == to_bytes([70000] * 200, Vec[U32])
 
 
 def test_vec_of_u16_checks_the_third_byte():
