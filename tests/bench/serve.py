@@ -219,7 +219,7 @@ def _bare_serve(endpoint: Endpoint, n: int) -> None:
                     acked = message.msg.watermark
             if window_full():
                 continue
-            batch = [stepper.next() for _ in range(min(EVENT_TOKENS_MAX, n - sent))]
+            batch = stepper.take(min(EVENT_TOKENS_MAX, n - sent))
             _send_event(endpoint, seq, TokenEventPayload.Tokens(tokens=batch))
             seq, sent = seq + 1, sent + len(batch)
         _send_event(endpoint, seq, TokenEventPayload.Finish(reason=2))
