@@ -527,8 +527,6 @@ def _table_varint(x: int, write: Callable[[int], bytes]) -> bytes:
 #: not. (numpy would take 20 us, but lets go of the GIL at each step of an array this long,
 #: and on a node with many threads each step then waits its turn.)
 _AT_ONCE_MIN = 128
-
-
 #: Values worked out together at most: the masks are kept for each run length.
 _AT_ONCE_RUN = 1024
 
@@ -558,7 +556,7 @@ def _lane_masks(n: int) -> _LaneMasks:
     return _LaneMasks(n)
 
 
-def _varints_at_once(values: Sequence[int], bits: int) -> bytes | None:
+def _varints_at_once(values: Sequence[int], bits: int) -> bytearray | None:
     """The LEB128 bytes of `values` (`bits` is 16 or 32), worked out `_AT_ONCE_RUN` at a time;
     None when a value is zero, or is not an int of the range: the caller's other way says which."""
     try:
@@ -567,8 +565,13 @@ def _varints_at_once(values: Sequence[int], bits: int) -> bytes | None:
         return None
     if sys.byteorder == "big":
         lanes.byteswap()
-    runs = [_run_varints(lanes[i : i + _AT_ONCE_RUN], bits) for i in range(0, len(lanes), _AT_ONCE_RUN)]
-    return None if None in runs else b"".join(runs)  # type: ignore[arg-type]
+    out = bytearray()
+    for i in range(0, len(lanes), _AT_ONCE_RUN):
+        run = _run_varints(lanes[i : i + _AT_ONCE_RUN], bits)
+        if run is None:
+            return None
+        out += run
+    return out
 
 
 def _run_varints(lanes: array, bits: int) -> bytes | None:
@@ -595,8 +598,9 @@ def _run_varints(lanes: array, bits: int) -> bytes | None:
 class _VarintVec(_VecType):
     """`Vec<u16|u32|u64>`, token lists above all.
 
-    Writing checks the whole list at once with `array` and joins cached varints in C; reading
-    inlines the element's varint in its loop. Any sequence of ints is written, bytes included.
+    Writing works out a long list of u16 or u32 values all at once (`_varints_at_once`), and
+    otherwise checks the whole list with `array` and joins cached varints in C; reading inlines
+    the element's varint in its loop. Any sequence of ints is written, bytes included.
     """
 
     def __init__(self, elem: _Varint) -> None:
