@@ -193,8 +193,9 @@ class MockDaemon(Daemon):
     `token_delay_s` holds each step that long (tests use it to keep a generation open);
     `batch_tokens` is how many tokens each `on_tokens` call carries at most, which changes no
     value: by default `DEFAULT_BATCH_TOKENS`, or 1 when steps are delayed, so a delayed token
-    is never held back. A generation whose consumer is behind gives its lane to the next one waiting, and queues
-    for a lane again once the consumer catches up: a head that stops reading holds no lane.
+    is never held back. A generation whose consumer is behind gives its lane to the next one
+    waiting, and queues for a lane again once the consumer catches up: a head that stops
+    reading holds no lane.
     """
 
     def __init__(
