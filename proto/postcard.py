@@ -498,10 +498,12 @@ def _array_code(bits: int) -> str:
     return next(code for code in "BHILQ" if array(code).itemsize * 8 == bits)
 
 
-#: The varint of every value seen in a token list, by value: the first 2**14 written at import,
-#: the rest as they come, up to this cap (2 MiB of slots at the most, a vocabulary's worth).
-#: A list, not a dict: a streaming node spent a fifth of its time in the dict's lookups, its
-#: entries out of cache, and the list made its mock stream 1.3x faster.
+#: The varint of every value seen in a token list that is not written all at once (a short
+#: list, such as a decode step's one-token event, a Vec<u64>, or a list with a zero), by value:
+#: the first 2**14 written at import, the rest as they come, up to this cap (2 MiB of slots at
+#: the most, a vocabulary's worth). A list, not a dict: a streaming node spent a fifth of its
+#: time in the dict's lookups, its entries out of cache, and the list made its mock stream 1.3x
+#: faster (long lists now skip the table: `_varints_at_once`).
 _VARINT_CACHE_MAX = 1 << 18
 _VARINTS: list[bytes | None] = list(_VARINT)
 #: A value's varint from the table: a value not in it yet is a None there, which `join`
