@@ -1,9 +1,11 @@
 """The mock engine against mock-engine.md, checked against the conformance kit's reference
 (`conformance.reference`), written from the spec and independent of the engine."""
 
+import dataclasses
 import struct
 import threading
 import time
+from array import array
 
 import pytest
 import xxhash
@@ -30,9 +32,12 @@ def generate(daemon, prompt, n, seed=0, deadline_ms=0, on_tokens=None, batches=N
             batches.append(list(batch))
         return True if on_tokens is None else on_tokens(batch)
 
-    return daemon.generate_tokens_streaming(
-        prompt, GenParams(seed=seed), n, deadline_ms, GenExtras(), collect
-    )
+    return listed(daemon.generate_tokens_streaming(prompt, GenParams(seed=seed), n, deadline_ms, GenExtras(), collect))
+
+
+def listed(result: GenerationResult) -> GenerationResult:
+    """`result` with its tokens as a list, to compare with the reference's lists."""
+    return dataclasses.replace(result, tokens=list(result.tokens))
 
 
 PROMPTS = [[1], list(range(500, 540)), [31999, 0, 7, 2**32 - 1], list(range(300))]
@@ -87,7 +92,7 @@ def test_sampling_knobs_change_nothing():
     result = MockDaemon().generate_tokens_streaming(
         PROMPTS[1], params, 20, 0, GenExtras(qos_class=3), lambda b: True
     )
-    assert result.tokens == mock_tokens(PROMPTS[1], 20, 9)
+    assert list(result.tokens) == mock_tokens(PROMPTS[1], 20, 9)
 
 
 def test_zero_max_tokens_returns_nothing_at_once():
@@ -229,7 +234,14 @@ def test_a_queued_generation_leaves_its_queue_at_once_when_its_caller_cancels():
     cancel.set()
     waiter.join(timeout=0.5)
     assert not waiter.is_alive(), "it waited for a lane instead of leaving the queue"
-    assert result["r"] == GenerationResult([], finish.CANCELLED)
+    assert listed(result["r"]) == GenerationResult([], finish.CANCELLED)
     assert daemon.sched_stats().queue_depth[0] == 0 and daemon.sched_stats().lanes_active == 1
     holder.join(timeout=10)
     assert daemon.sched_stats().decode_tokens == 100, "the running generation went on untouched"
+
+
+def test_a_result_keeps_its_tokens_at_four_bytes_each():
+    """As the run kept them: a list of a 1M-token stream would take 36 MB when it ends."""
+    result = MockDaemon().generate_tokens_streaming([1], GenParams(), 5000, 0, GenExtras(), lambda b: True)
+    assert isinstance(result.tokens, array) and result.tokens.itemsize == 4
+    assert list(result.tokens) == mock_tokens([1], 5000)

@@ -179,8 +179,10 @@ class _Run:
         return self.prompt_len + len(self.tokens)
 
     def ended(self, reason: int, unkept: Sequence[int] = ()) -> GenerationResult:
-        """The result of a run that ended with `reason`, its tokens followed by `unkept`."""
-        return GenerationResult(self.tokens.tolist() + list(unkept), reason)
+        """The result of a run that ended with `reason`: its tokens, then `unkept`, in the
+        run's own array (the run is over, so nothing writes to it again)."""
+        self.tokens.extend(unkept)
+        return GenerationResult(self.tokens, reason)
 
 
 def _pages(tokens: int) -> int:
