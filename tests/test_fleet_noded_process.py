@@ -23,8 +23,8 @@ from nodeagent.params import GenParams
 
 
 def local_mock(prompt, max_new, seed=0):
-    tokens = MockDaemon().generate_tokens_streaming(prompt, GenParams(seed=seed), max_new, 0, GenExtras(), lambda b: True).tokens
-    return list(tokens)
+    result = MockDaemon().generate_tokens_streaming(prompt, GenParams(seed=seed), max_new, 0, GenExtras(), bool)
+    return list(result.tokens)
 
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock")

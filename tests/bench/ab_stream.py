@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab_decode import started_in, trees_and_count  # noqa: E402
-from serve import STREAM_TOKENS, in_turn, start_node, streaming_rate  # noqa: E402
+from serve import STREAM_TOKENS, in_turn, median_interval, start_node, streaming_rate  # noqa: E402
 
 CONNECTIONS = (1, 8)
 
@@ -59,12 +59,18 @@ def report(rates: dict[tuple[str, int], list[float]], trees: list[Path], trials:
         b_over_a = [y / x for x, y in zip(a, b, strict=True)]
         print(
             f"  {c} connection{'s' * (c > 1)}: A {statistics.median(a):,.0f} tok/s,"
-            f" B {statistics.median(b):,.0f} tok/s; B / A median {statistics.median(b_over_a):.3f},"
-            f" B won {sum(r > 1 for r in b_over_a)} of {trials}"
+            f" B {statistics.median(b):,.0f} tok/s; B / A median {statistics.median(b_over_a):.3f}"
+            f" ({_interval(b_over_a)}), B won {sum(r > 1 for r in b_over_a)} of {trials}"
         )
     for k in "AB":
-        eight_to_one = statistics.median(e / o for o, e in zip(rates[(k, 1)], rates[(k, 8)], strict=True))
-        print(f"  node {k}: 8 connections / 1, median {eight_to_one:.3f}")
+        eight_to_one = [e / o for o, e in zip(rates[(k, 1)], rates[(k, 8)], strict=True)]
+        median = statistics.median(eight_to_one)
+        print(f"  node {k}: 8 connections / 1, median {median:.3f} ({_interval(eight_to_one)})")
+
+
+def _interval(ratios: list[float]) -> str:
+    low, high = median_interval(ratios)
+    return f"95 % interval {low:.3f}-{high:.3f}"
 
 
 if __name__ == "__main__":
