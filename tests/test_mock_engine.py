@@ -41,6 +41,7 @@ def listed(result: GenerationResult) -> GenerationResult:
 
 
 PROMPTS = [[1], list(range(500, 540)), [31999, 0, 7, 2**32 - 1], list(range(300))]
+PROMPT4 = [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"len{len(p)}")
@@ -55,6 +56,12 @@ def test_a_known_value_pins_the_hash_itself():
     # XXH3-64 of LE32(1) ++ LE64(1) is the first token after the prompt [1] with seed 0.
     data = struct.pack("<IQ", 1, 1)
     assert generate(MockDaemon(), [1], 1).tokens == [xxhash.xxh3_64_intdigest(data) % 32000]
+
+
+@pytest.mark.parametrize("batch", [1, 7, 1024])
+def test_the_counter_wraps_past_u64_within_and_between_batches(batch):
+    seed = 2**64 - 30  # after a 4-token prompt the counter starts 26 short of the wrap
+    assert generate(MockDaemon(batch_tokens=batch), PROMPT4, 60, seed=seed).tokens == mock_tokens(PROMPT4, 60, seed)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16, 100])
@@ -79,7 +86,7 @@ def test_concurrent_generations_each_match_their_reference():
         t.start()
     for t in threads:
         t.join(timeout=30)
-    for (prompt, seed), tokens in zip(jobs, results):
+    for (prompt, seed), tokens in zip(jobs, results, strict=True):
         assert tokens == mock_tokens(prompt, 50, seed)
     stats = daemon.sched_stats()
     assert stats.decode_tokens == 50 * len(jobs)
