@@ -21,7 +21,7 @@ from linkf.secure import ASCII_WHITESPACE, read_token
 from nodeagent import logs
 from nodeagent.agent import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT
 from nodeagent.daemon import MIN_CONTEXT
-from nodeagent.engine.choices import DTYPES, RUNTIMES
+from nodeagent.engine.choices import DTYPES, RUNTIMES, WEIGHTS
 from nodeagent.engine.mock import MOCK_WINDOW
 from nodeagent.models import ALIASES, is_gguf
 
@@ -36,7 +36,8 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
 [--write-timeout-ms N] \
-[--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--kv-budget-mb N] \
+[--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--weights auto|float|int8|int4] \
+[--kv-budget-mb N] \
 [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
 [--session-retention-ms N]
@@ -52,6 +53,9 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --auth-file holds the fleet token (default $SUPERFLUID_HOME/fleet/token, from
  `superfluid fleet token`); with it the link is encrypted and both ends checked.
  --dtype (torch) defaults to auto: bf16 on CUDA, fp32 on CPU.
+ --weights (torch) defaults to auto: a quantized GGUF file stays quantized on the CPU (int4 or
+ int8, whichever this CPU runs faster than float), anything else is float; int8 and int4
+ quantize any checkpoint at load; the serving line says what was chosen and why.
  --max-context defaults to 4096 for the mock and to what the device holds for torch, at least
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
  SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests;
@@ -119,6 +123,7 @@ class Options:
     write_timeout_ms: int = int(DEFAULT_WRITE_TIMEOUT * 1000)
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"
     kv_budget_mb: int | None = None
     drain_timeout_ms: int = 30_000
     token_delay_ms: int = 0
@@ -164,6 +169,12 @@ def _dtype(v: str) -> str:
     return v
 
 
+def _weights(v: str) -> str:
+    if v not in WEIGHTS:
+        raise ValueError(" or ".join(WEIGHTS))
+    return v
+
+
 def _runtime(v: str) -> str:
     if v not in RUNTIMES:
         raise ValueError(f"a runtime id: {' or '.join(RUNTIMES)}")
@@ -204,6 +215,7 @@ FLAGS = {
     "--write-timeout-ms": ("write_timeout_ms", _count),
     "--device": ("device", _device),
     "--dtype": ("dtype", _dtype),
+    "--weights": ("weights", _weights),
     "--kv-budget-mb": ("kv_budget_mb", _count),
     "--drain-timeout-ms": ("drain_timeout_ms", _count),
     "--token-delay-ms": ("token_delay_ms", _count),
@@ -410,15 +422,18 @@ def load(opts: Options, runtime: str):
     else:
         max_context = None if opts.max_context is None else max(opts.max_context, MIN_CONTEXT)
     try:
+        threads = None
         if runtime == "torch":
-            from nodeagent.engine.torch_engine import reserve_serving_cpu
+            from nodeagent.engine.torch_engine import scheduler_threads
 
-            reserve_serving_cpu(opts.device)
+            threads = scheduler_threads(opts.device)
         return open_engine(
             runtime,
             opts.model,
             device=opts.device,
             dtype=opts.dtype,
+            weights=opts.weights,
+            threads=threads,
             max_batch=opts.max_batch,
             max_context=max_context,
             kv_budget_mb=opts.kv_budget_mb,

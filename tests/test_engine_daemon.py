@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from nodeagent.daemon import GenExtras, ModelLoadError, StageError, StageHidden, StageToken
 from nodeagent.engine import open_engine
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
-from nodeagent.engine.torch_engine import reserve_serving_cpu, serving_threads
+from nodeagent.engine.torch_engine import TorchDaemon, scheduler_threads, serving_threads
 from nodeagent.params import GenParams
 
 CPU = torch.device("cpu")
@@ -37,14 +37,12 @@ def test_builtin_is_small_fast_to_build_and_always_the_same():
     started = time.monotonic()
     model = builtin_model(torch.float32, CPU)
     assert time.monotonic() - started < 3.0
-    params = model.embed_weight.numel() + model.norm.numel() + sum(
-        t.numel() for layer in model.layers for t in vars(layer).values()
-    )
+    params = model.weight_bytes() / 4
     assert 15e6 < params < 25e6
     assert model.config.vocab_size == 32000
     again = builtin_model(torch.float32, CPU)
     assert torch.equal(model.layers[3].input_norm, again.layers[3].input_norm)
-    assert torch.equal(model.embed_weight, again.embed_weight)
+    assert torch.equal(model.embedding, again.embedding)
 
 
 def test_builtin_daemon_describes_itself_and_generates(builtin):
@@ -52,7 +50,8 @@ def test_builtin_daemon_describes_itself_and_generates(builtin):
     assert builtin.max_stream_tokens() == 2048
     described = re.fullmatch(
         r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, (\d+) CPU threads?, "
-        r"weights 69 MB, kv pool 409 blocks of 16 tokens \(64 MB, taken as used\), \d+ MB free",
+        r"weights 69 MB float \(a float checkpoint\), kv pool 409 blocks of 16 tokens \(64 MB, taken as used\), "
+        r"\d+ MB free",
         builtin.summary(),
     )
     assert int(described.group(1)) == torch.get_num_threads()
@@ -136,26 +135,42 @@ def test_dtype_flag_picks_the_weights_precision():
 
 
 @given(torch_threads=st.integers(1, 512), cpus=st.integers(1, 1024))
-def test_serving_threads_keep_one_cpu_for_the_serve_loop(torch_threads, cpus):
+def test_serving_threads_are_torchs_default_within_the_cpus_allowed(torch_threads, cpus):
     n = serving_threads(torch_threads, cpus)
     assert 1 <= n <= torch_threads, "at least one thread, never more than torch would run"
-    assert n <= max(1, cpus - 1), "one CPU is left to the connection loops"
-    if torch_threads < cpus:
-        assert n == torch_threads, "torch's default already leaves a CPU: it stands"
+    assert n <= cpus, "no more threads than CPUs this process may use"
+    assert n == min(torch_threads, cpus)
 
 
-def test_a_node_on_the_cpu_leaves_a_cpu_to_its_serve_loop_unless_the_operator_says_otherwise():
+def test_only_the_scheduler_thread_runs_the_forward_on_several_threads_unless_the_operator_says_otherwise():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(os.cpu_count() or 1)
         want = serving_threads(torch.get_num_threads(), len(os.sched_getaffinity(0)))
-        assert reserve_serving_cpu("cpu", env={}) == want
-        assert torch.get_num_threads() == want
+        assert scheduler_threads("cpu", env={}) == want
+        assert torch.get_num_threads() == 1, "the calling thread keeps one thread"
         torch.set_num_threads(os.cpu_count() or 1)
         for env in ({"OMP_NUM_THREADS": "3"}, {"MKL_NUM_THREADS": "3"}):
-            assert reserve_serving_cpu("cpu", env=env) is None
+            assert scheduler_threads("cpu", env=env) is None
             assert torch.get_num_threads() == (os.cpu_count() or 1), f"{env} is the operator's choice"
         with pytest.raises(ModelLoadError, match="unknown device"):
-            reserve_serving_cpu("tpu", env={})
+            scheduler_threads("tpu", env={})
     finally:
+        torch.set_num_threads(before)
+
+
+def test_the_scheduler_thread_takes_its_own_thread_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    model = builtin_model(torch.float32, CPU)
+    seen = []
+    logits = model.logits
+    model.logits = lambda x: seen.append(torch.get_num_threads()) or logits(x)
+    daemon = TorchDaemon(model, "builtin", max_batch=1, kv_blocks=64, threads=1)
+    try:
+        assert len(generate(daemon, [1, 2, 3], 2)) == 2
+        assert seen and set(seen) == {1}, "the forward ran on the scheduler's count, not the caller's 3"
+        assert "1 CPU thread," in daemon.summary()
+    finally:
+        daemon.close()
         torch.set_num_threads(before)

@@ -63,7 +63,7 @@ def their_tokens(model, prompt: list[int], n: int) -> list[int]:
 
 
 def our_tokens(path, prompt: list[int], n: int) -> list[int]:
-    daemon = TorchDaemon.load(str(path), device="cpu", max_batch=1, kv_budget_mb=4)
+    daemon = TorchDaemon.load(str(path), device="cpu", max_batch=1, kv_budget_mb=4, weights="float")
     try:
         return daemon.generate_tokens_streaming(prompt, GenParams(), n, 0, GenExtras(), lambda b: True).tokens
     finally:

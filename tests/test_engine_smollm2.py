@@ -32,7 +32,9 @@ TORCH_THREADS = 2
 def daemon():
     from nodeagent.engine.torch_engine import TorchDaemon
 
-    node = TorchDaemon.load(ALIAS, device="cpu", max_batch=len(VECTORS["records"]), kv_budget_mb=64)
+    node = TorchDaemon.load(
+        ALIAS, device="cpu", max_batch=len(VECTORS["records"]), kv_budget_mb=64, weights="float"
+    )
     yield node
     node.close()
 
@@ -43,6 +45,8 @@ def test_the_alias_is_advertised_under_its_own_name(daemon):
 
 
 def test_greedy_tokens_equal_transformers_up_to_the_end_of_turn(daemon):
+    """The float engine (`--weights float`); the quantized one is held to it in
+    test_engine_quant.py."""
     results: dict[int, list[int]] = {}
 
     def run(i: int, prompt: list[int]) -> None:

@@ -16,6 +16,8 @@ def open_engine(
     kv_budget_mb: int | None = None,
     token_delay_s: float = 0.0,
     dtype: str = "auto",
+    weights: str = "auto",
+    threads: int | None = None,
 ) -> Daemon:
     """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
 
@@ -37,5 +39,7 @@ def open_engine(
             max_context=max_context,
             kv_budget_mb=kv_budget_mb,
             dtype=dtype,
+            weights=weights,
+            threads=threads,
         )
     raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")

@@ -10,6 +10,7 @@ import torch
 
 from nodeagent.engine.loader import checked
 from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.quant import WeightFormat
 
 BUILTIN_NAME = "builtin"
 CPU = torch.device("cpu")
@@ -84,13 +85,16 @@ def random_model(
     seed: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device = CPU,
+    weights: WeightFormat = WeightFormat.FLOAT,
     **kwargs,
 ) -> LlamaModel:
     """A model of `config` with `random_tensors(config, seed, **kwargs)` as its weights."""
     tensors = random_tensors(config, seed, **kwargs)
-    return LlamaModel.from_source(config, DictSource(tensors), dtype, device)
+    return LlamaModel.from_source(config, DictSource(tensors), dtype, device, weights)
 
 
-def builtin_model(dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def builtin_model(
+    dtype: torch.dtype, device: torch.device, weights: WeightFormat = WeightFormat.FLOAT
+) -> LlamaModel:
     """The embedded default model, the same on every start."""
-    return random_model(BUILTIN_CONFIG, BUILTIN_SEED, dtype, device)
+    return random_model(BUILTIN_CONFIG, BUILTIN_SEED, dtype, device, weights)

@@ -19,6 +19,7 @@ import torch
 from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.loader import Progress, check_config, checked, refuse_unused
 from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.quant import WeightFormat
 from nodeagent.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_header
 
 #: GGUF architectures whose tensors and maths are our decoder's, and whether llama.cpp's
@@ -50,15 +51,44 @@ _LAYER_GGUF = {hf: short for short, hf in _LAYER_NAMES.items()}
 _GLOBAL_GGUF = {hf: short for short, hf in _GLOBAL_NAMES.items()}
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+#: Bits per weight of the quantized ggml types, by the precision they keep: 4 for the 4-bit and
+#: smaller types, 8 for the 5- to 8-bit ones. A float type is absent.
+_TYPE_BITS = {
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K"), 4),
+    **dict.fromkeys(("IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "TQ1_0", "TQ2_0"), 4),
+    **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), 8),
+}
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: WeightFormat = WeightFormat.FLOAT,
+) -> LlamaModel:
     """Read the GGUF file at `path` onto `device`; raises ModelLoadError on any problem."""
     source = GGUFSource(Path(path))
     try:
-        model = LlamaModel.from_source(source.config, source, dtype, device)
+        model = LlamaModel.from_source(source.config, source, dtype, device, weights)
         refuse_unused(str(path), source.names(), source.used, source.config)
         return model
     finally:
         source.close()
+
+
+def projection_bits(path: str | os.PathLike) -> int | None:
+    """The bits per weight the file's layer projections keep (4 or 8), or None if float: the
+    type most of the `blk.*` matrices have."""
+    from gguf import GGMLQuantizationType
+
+    types = [t.type for t in _read_header(Path(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    if not types:
+        return None
+    commonest = max(set(types), key=types.count)
+    try:
+        return _TYPE_BITS.get(GGMLQuantizationType(commonest).name)
+    except ValueError:
+        return None
 
 
 def _read_header(path: Path) -> GGUFHeader:

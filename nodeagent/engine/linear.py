@@ -69,5 +69,7 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
 
-    def numel(self) -> int:
-        return self.out_features * self.in_features + (0 if self.bias is None else self.bias.numel())
+    @property
+    def nbytes(self) -> int:
+        numel = self.out_features * self.in_features + (0 if self.bias is None else self.bias.numel())
+        return numel * self.weight.element_size()

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.quant import WeightFormat
 from nodeagent.engine.rope import RopeScalingError, inv_frequencies
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,7 +38,12 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def load_model(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: WeightFormat = WeightFormat.FLOAT,
+) -> LlamaModel:
     """Read the checkpoint at `path` onto `device`; raises ModelLoadError on any problem."""
     directory = Path(path)
     if not directory.is_dir():
@@ -46,7 +52,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     config = config_from_hf(raw, _generation_eos(directory))
     source = SafetensorsSource(directory)
     try:
-        model = LlamaModel.from_source(config, source, dtype, device)
+        model = LlamaModel.from_source(config, source, dtype, device, weights)
         refuse_unused(str(directory), source.names(), source.used, config)
         return model
     finally:

@@ -1,8 +1,8 @@
 """A Llama-family decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
 
 Weights are held the way decode is fastest, not the way checkpoints store them: fused (q/k/v
-as one projection, gate/up as one), in the device's fastest matmul layout (`Linear`), and q/k
-rows reordered so rotary positions are one complex multiply. Attention is a callback so the
+as one projection, gate/up as one), in the device's fastest matmul layout (`Linear`) or kept
+quantized (`quant`), and q/k rows reordered so rotary positions are one complex multiply. Attention is a callback so the
 same layers serve the scheduler's paged KV pool and the cache-free stage forward.
 """
 
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from nodeagent.engine.linear import Linear, tied_layout
+from nodeagent.engine.quant import Int8Embedding, Int8Head, Int8Linear, WeightFormat, quantized_linear
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table, rotate_in_place
 
 
@@ -48,14 +49,27 @@ class TensorSource(Protocol):
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
 
 
+class Projection(Protocol):
+    """`x @ W.T + b` over the last axis of x, W held in some format."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+#: Builds a projection from a float weight [out, in] and an optional bias.
+MakeProjection = Callable[[torch.Tensor, torch.Tensor | None], Projection]
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv: Projection
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Projection
+    down: Projection
 
 
 #: attend(layer, q [B,C,H,hd], kv [B,C,2,KV,hd]) -> [B,C,H*hd]
@@ -68,13 +82,15 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        embed: torch.Tensor,
+        embed: torch.Tensor | Int8Embedding,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: Linear,
+        lm_head: Projection,
+        weights: WeightFormat = WeightFormat.FLOAT,
     ):
         self.config = config
-        self.embed_weight = embed
+        self.embedding = embed
+        self.weights = weights
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
@@ -85,30 +101,41 @@ class LlamaModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_weight.dtype
+        return self.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_weight.device
+        return self.norm.device
 
     @classmethod
     def from_source(
-        cls, config: ModelConfig, source: TensorSource, dtype: torch.dtype, device: torch.device
+        cls,
+        config: ModelConfig,
+        source: TensorSource,
+        dtype: torch.dtype,
+        device: torch.device,
+        weights: WeightFormat = WeightFormat.FLOAT,
     ) -> LlamaModel:
-        """Build from Hugging Face-named tensors, fusing and reordering on the way."""
+        """Build from Hugging Face-named tensors, fusing and reordering on the way; `weights`
+        (float, int8 or int4) is how the projections, the embedding and the lm_head are held."""
 
         def take(name: str, *shape: int) -> torch.Tensor:
             return source.get(name, shape).to(dtype=dtype, device=device)
 
         c = config
-        embed = take("model.embed_tokens.weight", c.vocab_size, c.hidden_size)
-        layers = [_layer_weights(c, source, i, take) for i in range(c.n_layers)]
+        make = _projection_maker(weights)
+        layers = [_layer_weights(c, source, i, take, make) for i in range(c.n_layers)]
         norm = take("model.norm.weight", c.hidden_size)
-        if c.tie_word_embeddings:
+        embed = take("model.embed_tokens.weight", c.vocab_size, c.hidden_size)
+        tied = c.tie_word_embeddings
+        if weights != WeightFormat.FLOAT:
+            head = Int8Head(embed if tied else take("lm_head.weight", c.vocab_size, c.hidden_size))
+            table = head if tied else Int8Linear(embed)
+            return cls(config, Int8Embedding(table, shared=tied), layers, norm, head, weights)
+        if tied:
             embed = tied_layout(embed)
             return cls(config, embed, layers, norm, Linear(embed, pack=False))
-        lm_head = take("lm_head.weight", c.vocab_size, c.hidden_size)
-        return cls(config, embed, layers, norm, Linear(lm_head))
+        return cls(config, embed, layers, norm, Linear(take("lm_head.weight", c.vocab_size, c.hidden_size)))
 
     def set_context(self, n_positions: int) -> None:
         """Size the rotary table for positions 0..n_positions-1."""
@@ -119,7 +146,9 @@ class LlamaModel:
         return self._freqs[positions].unsqueeze(-2)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.embed_weight)
+        if isinstance(self.embedding, Int8Embedding):
+            return self.embedding(tokens)
+        return F.embedding(tokens, self.embedding)
 
     def layer(self, index: int, x: torch.Tensor, freqs: torch.Tensor, attend: Attend) -> torch.Tensor:
         """One decoder layer on x [B,C,D]; `freqs` from `rope` for the positions of x."""
@@ -137,10 +166,10 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """The bytes the weights take (a tied lm_head is the embedding, counted once)."""
-        parts = [self.embed_weight, self.norm, *(p for w in self.layers for p in vars(w).values())]
-        if not self.config.tie_word_embeddings:
+        parts = [self.embedding, self.norm, *(p for w in self.layers for p in vars(w).values())]
+        if not (self.config.tie_word_embeddings and self.weights == WeightFormat.FLOAT):
             parts.append(self.lm_head)
-        return sum(p.numel() for p in parts if p is not None) * self.dtype.itemsize
+        return sum(_nbytes(p) for p in parts if p is not None)
 
     def attention_mask(self, q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
         """[B,1,C,n_keys] bool, True where a query at q_positions [B,C] sees key position k:
@@ -174,8 +203,24 @@ class LlamaModel:
         return x
 
 
+def _nbytes(part: torch.Tensor | Projection | Int8Embedding) -> int:
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    return part.nbytes
+
+
+def _projection_maker(weights: WeightFormat) -> MakeProjection:
+    if weights == WeightFormat.FLOAT:
+        return Linear
+    return lambda weight, bias: quantized_linear(weights, weight, bias)
+
+
 def _layer_weights(
-    c: ModelConfig, source: TensorSource, i: int, take: Callable[..., torch.Tensor]
+    c: ModelConfig,
+    source: TensorSource,
+    i: int,
+    take: Callable[..., torch.Tensor],
+    make: MakeProjection,
 ) -> LayerWeights:
     p, attn = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -209,11 +254,11 @@ def _layer_weights(
     )
     return LayerWeights(
         input_norm=take(p + "input_layernorm.weight", c.hidden_size),
-        qkv=Linear(qkv, qkv_bias),
-        o=Linear(take(attn + "o_proj.weight", c.hidden_size, q_rows), o_bias),
+        qkv=make(qkv, qkv_bias),
+        o=make(take(attn + "o_proj.weight", c.hidden_size, q_rows), o_bias),
         post_norm=take(p + "post_attention_layernorm.weight", c.hidden_size),
-        gate_up=Linear(gate_up),
-        down=Linear(take(p + "mlp.down_proj.weight", c.hidden_size, c.intermediate_size)),
+        gate_up=make(gate_up, None),
+        down=make(take(p + "mlp.down_proj.weight", c.hidden_size, c.intermediate_size), None),
     )
 
 

@@ -160,8 +160,10 @@ class Scheduler:
         max_context: int,
         prefill_chunk: int = PREFILL_CHUNK,
         prefix_cache: bool = True,
+        threads: int | None = None,
     ):
         self.model = model
+        self.threads = threads
         self.pool = pool
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
@@ -227,6 +229,9 @@ class Scheduler:
     # -- the scheduler thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.threads is not None:
+            # OpenMP keeps a thread count per calling thread: this sets the forward's own.
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while self._wait_for_work():
                 try:

@@ -40,10 +40,11 @@ from nodeagent.daemon import (
 )
 from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
 from nodeagent.engine.choices import DTYPES
-from nodeagent.engine.gguf_file import load_gguf
+from nodeagent.engine.gguf_file import load_gguf, projection_bits
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.loader import load_model
 from nodeagent.engine.model import LlamaModel
+from nodeagent.engine.quant import Quantization, WeightFormat, WeightFormatError, choose_format
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
 from nodeagent.models import AliasUnavailable, is_gguf, resolve
@@ -73,11 +74,14 @@ class TorchDaemon(Daemon):
         kv_blocks: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         prefix_cache: bool = True,
+        quantization: Quantization | None = None,
+        threads: int | None = None,
     ):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.model = model
         self._name = name
+        self.quantization = quantization or Quantization(model.weights, "as built")
         self.max_batch = max_batch
         if kv_blocks is None:
             kv_blocks = _blocks_in(CPU_KV_BUDGET_MB * 2**20, model)
@@ -100,7 +104,7 @@ class TorchDaemon(Daemon):
             model.dtype,
             model.device,
         )
-        self._scheduler = Scheduler(model, pool, max_batch, self.context, prefill_chunk, prefix_cache)
+        self._scheduler = Scheduler(model, pool, max_batch, self.context, prefill_chunk, prefix_cache, threads)
 
     @classmethod
     def load(
@@ -112,18 +116,31 @@ class TorchDaemon(Daemon):
         max_context: int | None = None,
         kv_budget_mb: int | None = None,
         dtype: str = "auto",
+        weights: str = "auto",
+        threads: int | None = None,
     ) -> TorchDaemon:
         """Open `model` ("builtin" or a checkpoint directory); raises ModelLoadError."""
         dev = _resolve_device(device)
-        weights = _resolve_dtype(dtype, dev)
+        floats = _resolve_dtype(dtype, dev)
         try:
-            if model == BUILTIN_NAME:
-                loaded, name = builtin_model(weights, dev), BUILTIN_NAME
+            path, name = _resolve_model(model)
+            if weights not in {f.value for f in WeightFormat}:
+                raise ModelLoadError(f"unknown weights format {weights!r}; expected one of {', '.join(WeightFormat)}")
+            quantization = choose_format(WeightFormat(weights), dev, _file_bits(path))
+            if path == BUILTIN_NAME:
+                loaded = builtin_model(floats, dev, quantization.format)
+            elif is_gguf(path):
+                loaded = load_gguf(path, floats, dev, quantization.format)
             else:
-                loaded, name = _load_checkpoint(model, weights, dev)
+                loaded = load_model(path, floats, dev, quantization.format)
             return_freed_heap()
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
-            return cls(loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks)
+            return cls(
+                loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks,
+                quantization=quantization, threads=threads,
+            )
+        except WeightFormatError as e:
+            raise ModelLoadError(str(e)) from None
         except ModelLoadError:
             raise
         except Exception as e:  # out of memory, a tensor torch cannot convert, ...
@@ -236,7 +253,7 @@ class TorchDaemon(Daemon):
     def _threads(self) -> str:
         if self.model.device.type != "cpu":
             return ""
-        n = torch.get_num_threads()
+        n = self._scheduler.threads or torch.get_num_threads()
         return f"{n} CPU thread{'s' if n > 1 else ''}, "
 
     def _memory(self) -> str:
@@ -246,7 +263,8 @@ class TorchDaemon(Daemon):
         block = bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, self.model.dtype)
         free = _free_bytes(self.model.device)
         return (
-            f"weights {_mb(self.model.weight_bytes())}, kv pool {pool.total} blocks of 16 tokens "
+            f"weights {_mb(self.model.weight_bytes())} {self.quantization.format} "
+            f"({self.quantization.reason}), kv pool {pool.total} blocks of 16 tokens "
             f"({_mb(pool.total * block)}, taken as used), "
             + ("free memory unknown" if free is None else f"{_mb(free)} free")
         )
@@ -320,14 +338,19 @@ def _drain(out: queue.Queue, first: tuple) -> tuple[list[int], tuple | None]:
             return batch, None
 
 
-def _load_checkpoint(model: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
-    """An alias, a GGUF file or a checkpoint directory, and the name to advertise it under."""
+def _resolve_model(model: str) -> tuple[str, str]:
+    """(path, advertised name) for builtin, an alias, a GGUF file or a checkpoint directory."""
+    if model == BUILTIN_NAME:
+        return BUILTIN_NAME, BUILTIN_NAME
     try:
-        path, name = resolve(model)
+        return resolve(model)
     except AliasUnavailable as e:
         raise ModelLoadError(str(e)) from None
-    loaded = load_gguf(path, dtype, device) if is_gguf(path) else load_model(path, dtype, device)
-    return loaded, name
+
+
+def _file_bits(path: str) -> int | None:
+    """What a GGUF file keeps its projections in; None for float checkpoints."""
+    return projection_bits(path) if is_gguf(path) else None
 
 
 def _mb(n_bytes: int) -> str:
@@ -362,25 +385,24 @@ def return_freed_heap() -> None:
 
 
 def serving_threads(torch_threads: int, cpus: int) -> int:
-    """torch's intra-op threads for a node on the CPU: torch's own default, but never every CPU.
-
-    The forward's parallel regions wait for their slowest thread, and on a node that thread
-    shares its CPU with the connection loops, the sends and (on loopback) the head's receives.
-    On the 2-core development machine one thread decoded the builtin model's 8 lanes faster
-    than two, over the wire and in process alike (README, "CPU threads"). torch's default is
-    the physical cores, so a machine with SMT keeps it whole."""
-    return max(1, min(torch_threads, cpus - 1))
+    """The scheduler thread's intra-op threads for a node on the CPU: torch's own default (the
+    physical cores), within the CPUs this process may use. The connection loops need little
+    CPU beside a decode step, and the quantized kernels' steps are bound by memory bandwidth,
+    which a second thread on the 2-core machine nearly doubles (docs/performance.md)."""
+    return max(1, min(torch_threads, cpus))
 
 
-def reserve_serving_cpu(device: str, env: Mapping[str, str] = os.environ) -> int | None:
-    """Give torch `serving_threads` for a node whose engine runs on the CPU, unless the
-    operator set OMP_NUM_THREADS or MKL_NUM_THREADS. Returns the count set, else None. It is
-    the node process's choice, made before the engine starts its threads; the engine itself
-    leaves the process's thread count alone, so tests and benches keep theirs."""
+def scheduler_threads(device: str, env: Mapping[str, str] = os.environ) -> int | None:
+    """The intra-op thread count for the engine of a node on the CPU, `serving_threads`,
+    unless the operator set OMP_NUM_THREADS or MKL_NUM_THREADS (then None: torch's own).
+
+    The calling (main) thread is left at one thread, loading included: once a thread has run
+    a parallel region with a team of OpenMP workers, parallel regions on any other thread ran
+    at half speed, so only the scheduler's thread runs the forward with several."""
     if env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS") or _resolve_device(device).type != "cpu":
         return None
     n = serving_threads(torch.get_num_threads(), len(os.sched_getaffinity(0)))
-    torch.set_num_threads(n)
+    torch.set_num_threads(1)
     return n
 
 

@@ -40,7 +40,7 @@ from serve import (  # noqa: E402  (it puts tests/ on the path, for nodeproc's N
 )
 
 from conformance.head import FleetHead  # noqa: E402
-from nodeagent.engine.torch_engine import TorchDaemon, reserve_serving_cpu  # noqa: E402
+from nodeagent.engine.torch_engine import TorchDaemon, scheduler_threads  # noqa: E402
 
 ORDERS = ("LAB", "ABL", "BLA", "LBA", "BAL", "ALB")
 T = TypeVar("T")
@@ -78,8 +78,8 @@ def main() -> int:
     trees, rounds = trees_and_count(__doc__, 30)
     results: dict[str, list[Decode]] = {"L": [], "A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
-        reserve_serving_cpu("cpu")  # the nodes' own thread count, as serve.py does
-        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=DECODE_LANES)
+        threads = scheduler_threads("cpu")  # the nodes' own thread count, as serve.py does
+        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=DECODE_LANES, threads=threads)
         nodes = [node_from(tree, Path(tmp)) for tree in trees]
         try:
             (_, metrics_a, heads_a), (_, metrics_b, heads_b) = nodes

