@@ -32,9 +32,10 @@ reliability: $(STAMP)
 	$(PY) tests/reliability/run.py
 
 # The engine benches compare against Hugging Face transformers (the test extra installs it: it
-# is no runtime dependency of the node). Every bench runs even when one misses a target; the
+# is no runtime dependency of the node) and llama.cpp (llamacpp.py builds its benches once into
+# .bench/, which takes cmake and a C++ compiler). Every bench runs even when one misses a target; the
 # exit status is 1 if any did.
-BENCHES := codec serve engine smollm2
+BENCHES := codec serve engine smollm2 llamacpp
 bench: $(STAMP)
 	@missed=""; for b in $(BENCHES); do echo "$(PY) tests/bench/$$b.py"; \
 		$(PY) tests/bench/$$b.py || missed="$$missed $$b"; done; \

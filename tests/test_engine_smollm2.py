@@ -68,3 +68,62 @@ def test_the_text_codec_renders_and_decodes_as_transformers():
     for record in VECTORS["records"]:
         assert codec.chat(record["messages"]) == record["prompt_ids"]
         assert codec.decode(record["tokens"]) == record["text"]
+
+
+#: Teacher-forced top-1 agreement with the float engine over the float engine's own greedy
+#: answers, and the largest logit difference, for each quantized format (docs/performance.md
+#: gives the measured figures and the bf16 float engine's own, for scale).
+QUANTIZED_FLOORS = {"int4": (0.97, 2.0), "int8": (0.95, 3.0)}
+FORCED_TOKENS = 90
+
+
+@pytest.fixture(scope="module")
+def forced():
+    """The float model and, per chat prompt, the prompt with its float greedy answer and the
+    float logits at every position."""
+    import torch
+
+    from nodeagent.engine.gguf_file import load_gguf
+
+    model = load_gguf(alias_path(ALIASES[ALIAS]), torch.float32, torch.device("cpu"))
+    runs = []
+    with torch.inference_mode():
+        for record in VECTORS["records"]:
+            tokens = list(record["prompt_ids"])
+            for _ in range(FORCED_TOKENS):
+                tokens.append(int(all_logits(model, tokens)[-1].argmax()))
+            runs.append((tokens, len(record["prompt_ids"]), all_logits(model, tokens)))
+    return runs
+
+
+def all_logits(model, tokens):
+    import torch
+
+    x = model.run_causal(model.embed(torch.tensor([tokens])), 0, model.config.n_layers)
+    return model.logits(x[0])
+
+
+@pytest.mark.timeout(300)  # the fixture recomputes each answer cache-free: about a minute on 2 cores
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED_FLOORS))
+def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, fmt):
+    import torch
+
+    from nodeagent.engine.gguf_file import load_gguf
+    from nodeagent.engine.quant import WeightFormat, kernel_speedups
+
+    if WeightFormat(fmt) not in kernel_speedups():
+        pytest.skip(f"this torch has no working {fmt} CPU kernel")
+    model = load_gguf(alias_path(ALIASES[ALIAS]), torch.float32, torch.device("cpu"), WeightFormat(fmt))
+    same = positions = 0
+    worst = 0.0
+    with torch.inference_mode():
+        for tokens, prompt_len, want in forced:
+            got = all_logits(model, tokens)
+            answer = slice(prompt_len - 1, len(tokens) - 1)
+            same += int((got[answer].argmax(-1) == want[answer].argmax(-1)).sum())
+            positions += len(tokens) - prompt_len
+            worst = max(worst, float((got - want).abs().max()))
+    agreement, max_diff = QUANTIZED_FLOORS[fmt]
+    assert positions >= 256
+    assert same / positions >= agreement, f"{fmt}: top-1 agreement {same}/{positions}"
+    assert worst < max_diff, f"{fmt}: largest logit difference {worst:.3f}"

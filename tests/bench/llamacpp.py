@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from engine import bare_torch_rss_mb  # noqa: E402
+import nodeproc  # noqa: E402
 from nodeproc import Noded  # noqa: E402
 from procstat import rss_mb  # noqa: E402
 from serve import read_streams  # noqa: E402
@@ -54,6 +55,8 @@ CACHE = ROOT / ".bench"
 TOOLS = ("llama-bench", "llama-batched-bench")
 PROMPT, NEW, LANES = 128, 64, 8
 TRIALS = 3
+#: A 1B-shaped model takes a while to read and quantize on two cores.
+nodeproc.START_TIMEOUT = 600
 SERVING_LINE = re.compile(r"runtime torch \(.*weights (\d+) MB (\w+) \(([^)]*)\)")
 
 
