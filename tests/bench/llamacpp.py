@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from engine import bare_torch_rss_mb  # noqa: E402
 import nodeproc  # noqa: E402
+from engine import bare_torch_rss_mb  # noqa: E402
 from nodeproc import Noded  # noqa: E402
 from procstat import rss_mb  # noqa: E402
 from serve import read_streams  # noqa: E402
