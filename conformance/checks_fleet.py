@@ -10,7 +10,7 @@ from conformance.head import LEASE, clock_id
 from conformance.raw import raw_connect
 from conformance.reference import mock_tokens
 from conformance.scenario import Context, Violation, check, scenario
-from nodeagent import finish
+from proto import finish
 from proto.linkf import TokenEvent, msg_type
 
 HEADS = 4

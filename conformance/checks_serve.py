@@ -10,8 +10,7 @@ from conformance.head import FleetHead, Generation, HeadTimeout, reason
 from conformance.reference import MOCK_LAYERS, mock_stage, mock_tokens
 from conformance.scenario import Context, Violation, check, scenario, skip
 from linkf.errors import Closed
-from nodeagent import finish
-from nodeagent.params import GenParams
+from proto import finish
 from proto.linkf import (
     GenerateReqMsg,
     GenerationBudgetsMsg,
@@ -20,6 +19,7 @@ from proto.linkf import (
     TokenEventPayload,
     msg_type,
 )
+from proto.params import GenParams
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
 #: A generation that runs until the scenario stops it (the wall budget ends it otherwise).

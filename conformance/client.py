@@ -20,9 +20,9 @@ import time
 from conformance.cli import OptionError, auth_from
 from conformance.head import FleetHead, HeadTimeout, clock_id, reason
 from linkf.errors import LinkFError
-from nodeagent.params import GenParams
 from proto.handshake import CapacitySummary
 from proto.linkf import msg_type
+from proto.params import GenParams
 
 PROGRAM = "superfluid-client"
 

@@ -28,10 +28,9 @@ from linkf.driver import Endpoint, Liveness
 from linkf.errors import Closed
 from linkf.head import HeadSession
 from linkf.message import Message
-from nodeagent import finish
-from nodeagent.fleet import encode_params, encode_tokens
-from nodeagent.params import GenParams
+from proto import finish
 from proto.envelope import Frame
+from proto.fleet import encode_params, encode_tokens
 from proto.handshake import HelloAckF, LinkRole
 from proto.linkf import (
     GenerateCancelMsg,
@@ -47,6 +46,7 @@ from proto.linkf import (
     msg_type,
     type_name,
 )
+from proto.params import GenParams
 
 #: The lease the Rust fleet tests place sessions with.
 LEASE = Lease(duration_ms=120_000, renew_by_ms=90_000)

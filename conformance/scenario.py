@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from conformance.head import GREEDY, LEASE, FleetHead, clock_id
 from conformance.raw import RawLink
-from nodeagent.params import GenParams
 from proto.handshake import HelloAckF
 from proto.linkf import Lease
+from proto.params import GenParams
 
 
 class Violation(Exception):

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nodeagent.gguf_header import GGUFHeaderError, read_header
-from nodeagent.models import AliasUnavailable, is_gguf, resolve
+from proto.models import AliasUnavailable, is_gguf, resolve
 
 if TYPE_CHECKING:  # both are imported only when a codec is built, so the kit loads without them
     from jinja2 import Template
@@ -139,13 +138,16 @@ def directory_codec(directory: Path) -> TextCodec:
 
 def gguf_codec(path: Path) -> TextCodec:
     """The GGUF's own byte-level BPE vocabulary and merges, its chat template and BOS/EOS."""
+    from gguf import GGUFReader
+
     try:
-        fields = read_header(path, with_tensors=False).metadata
-    except GGUFHeaderError as e:
-        raise TextCodecError(str(e)) from None
+        fields = GGUFReader(path).fields
+    except (ValueError, OSError) as e:  # not a GGUF file, or a truncated one
+        raise TextCodecError(f"{path} is not a readable GGUF file: {e}") from None
 
     def get(key: str, default=None):
-        return fields.get(key, default)
+        field = fields.get(key)
+        return default if field is None else field.contents()
 
     kind = get("tokenizer.ggml.model")
     if kind != "gpt2":

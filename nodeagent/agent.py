@@ -38,7 +38,6 @@ from linkf.driver import DEFAULT_LIVENESS, PROTO_VERSION, Endpoint, Liveness
 from linkf.errors import Closed, LinkFError, TimedOut
 from linkf.message import Message
 from linkf.waker import Waker
-from nodeagent import finish
 from nodeagent.daemon import (
     ConstraintError,
     Daemon,
@@ -51,13 +50,12 @@ from nodeagent.daemon import (
     StreamTooLong,
     host_memory_bytes,
 )
-from nodeagent.fleet import decode_params, decode_tokens
 from nodeagent.load import U32_MAX, LoadMeter, LoadSample
 from nodeagent.observe import GenerationWatch, NodeObserver
 from nodeagent.outbox import Outbox
-from nodeagent.params import GenParams
-from proto import postcard
+from proto import finish, postcard
 from proto.envelope import MAX_FRAME
+from proto.fleet import decode_params, decode_tokens
 from proto.handshake import CapacitySummary, HelloAckF
 from proto.linkf import (
     GenerateReqMsg,
@@ -72,6 +70,7 @@ from proto.linkf import (
     msg_type,
 )
 from proto.linkw import MemCountersMsg
+from proto.params import GenParams
 from proto.postcard import PostcardError
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from nodeagent.agent import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEF
 from nodeagent.daemon import MIN_CONTEXT
 from nodeagent.engine.choices import DTYPES, RUNTIMES, WEIGHTS
 from nodeagent.engine.mock import MOCK_WINDOW
-from nodeagent.models import ALIASES, is_gguf
+from proto.models import ALIASES, is_gguf
 
 PROGRAM = "superfluid-noded"
 DEFAULT_LISTEN = "0.0.0.0:8454"

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 #: `on_tokens(batch)` returns True to go on, False to stop the generation (finish CANCELLED).
 OnTokens = Callable[[list[int]], bool]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from linkf.errors import Closed, Envelope, Payload, Protocol, TimedOut, Unauthorized
-from nodeagent import finish
+from proto import finish
 
 #: Finish codes as the metrics label and the log name them.
 finish_name = finish.name

@@ -147,7 +147,7 @@ class ReconcileAckMsg:
 
 @struct
 class SessionAssignMsg:
-    """`params` holds a postcard `GenParams` (see `nodeagent.fleet`)."""
+    """`params` holds a postcard `GenParams` (see `proto.fleet`)."""
 
     command_id: U64
     session_id: U64

@@ -8,8 +8,8 @@ from conformance.raw import RawLink, hung_up, raw_connect, raw_frame
 from conformance.reference import mock_tokens
 from linkf.errors import Envelope, Payload, Protocol
 from nodeagent.daemon import DaemonError
-from nodeagent.fleet import encode_params
-from nodeagent.params import GenParams
+from proto.fleet import encode_params
+from proto.params import GenParams
 from proto import postcard
 from proto.envelope import MAX_FRAME
 from proto.handshake import Hello, LinkRole

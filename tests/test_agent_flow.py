@@ -17,11 +17,11 @@ from polling import wait_until
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
 from nodeagent import agent as node_agent
-from nodeagent import finish
+from proto import finish
 from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, Connection
 from nodeagent.daemon import GenerationResult, GenExtras
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.linkf import TokenEventPayload
 
 MILLION = 1_000_000

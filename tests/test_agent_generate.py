@@ -9,10 +9,10 @@ import pytest
 
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
-from nodeagent import finish
+from proto import finish
 from nodeagent.daemon import ConstraintError, GenerationError
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.linkf import GenerateReqMsg, GenerationBudgetsMsg, TokenEventPayload, msg_type
 
 PROMPT = list(range(100, 120))

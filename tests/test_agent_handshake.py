@@ -11,8 +11,8 @@ from conformance.raw import hung_up, raw_connect
 from conformance.reference import mock_tokens
 from linkf.driver import Endpoint
 from linkf.errors import LinkFError, Protocol, Unauthorized
-from nodeagent import finish
-from nodeagent.params import GenParams
+from proto import finish
+from proto.params import GenParams
 from proto.envelope import MAX_FRAME
 from proto.handshake import LinkRole
 from proto.linkf import msg_type

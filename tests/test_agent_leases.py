@@ -7,9 +7,9 @@ import time
 
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
-from nodeagent import finish
+from proto import finish
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.linkf import Lease, LeaseGrantMsg, msg_type
 
 

@@ -4,8 +4,8 @@ connection's own (their renewals go there)."""
 
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
-from nodeagent import finish
-from nodeagent.params import GenParams
+from proto import finish
+from proto.params import GenParams
 from proto.linkf import (
     Lease,
     LeaseStateMsg,

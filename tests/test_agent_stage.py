@@ -10,7 +10,7 @@ import pytest
 from conformance.head import FleetHead
 from conformance.reference import mock_stage, mock_tokens
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 TOKENS = [5, 6, 7, 8]
 

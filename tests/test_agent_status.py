@@ -9,7 +9,7 @@ from conformance.reference import mock_tokens
 from nodeagent.agent import NodeAgent
 from nodeagent.daemon import SchedStats
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.linkf import msg_type
 
 

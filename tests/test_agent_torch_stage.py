@@ -11,7 +11,7 @@ from conformance.head import FleetHead
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.builtin import random_model
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 PROMPT = [3, 14, 159, 26, 53, 58, 97]
 

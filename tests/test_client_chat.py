@@ -8,7 +8,7 @@ import pytest
 from nodeproc import SERVING, Noded
 
 from conformance import client
-from nodeagent.models import ALIASES, AliasUnavailable, alias_path
+from proto.models import ALIASES, AliasUnavailable, alias_path
 
 ALIAS = "smollm2-135m-instruct"
 LOAD_TIMEOUT = 120.0

@@ -16,7 +16,7 @@ from conformance.head import FleetHead, HeadTimeout
 from conformance.reference import mock_tokens
 from conformance.suite import select
 from linkf.driver import Endpoint
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.handshake import CapacitySummary, HelloAckF
 from proto.linkf import LinkFLimits, msg_type
 

@@ -17,7 +17,7 @@ from nodeagent.daemon import GenExtras, ModelLoadError, StageError, StageHidden,
 from nodeagent.engine import open_engine
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
 from nodeagent.engine.torch_engine import TorchDaemon, scheduler_threads, serving_threads
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 CPU = torch.device("cpu")
 

@@ -18,7 +18,7 @@ from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.gguf_file import load_gguf
 from nodeagent.engine.model import ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,13 +12,13 @@ from test_engine_parity import PROMPTS, is_reference_greedy
 from test_engine_scheduler import in_threads
 from tinymodel import TINY
 
-from nodeagent import finish
+from proto import finish
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.kvpool import blocks_for
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 LONG = 190  # max_tokens: with the longest prompt, near the 256-token window
 WORST_CASE_BLOCKS = blocks_for(max(len(p) for p in PROMPTS) + LONG - 1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tinymodel import TINY
 
-from nodeagent import finish
+from proto import finish
 from nodeagent.daemon import GenExtras, ModelLoadError
 from nodeagent.engine import loader, open_engine
 from nodeagent.engine.builtin import DictSource, random_tensors
@@ -19,7 +19,7 @@ from nodeagent.engine.checkpoint import write_checkpoint
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.rope import inv_frequencies
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 #: The tiny model with a rope_theta other than the default, so a loader that dropped it from
 #: config.json would generate other tokens, and a window of 1024, so the context tests can ask

@@ -21,7 +21,7 @@ from nodeagent.engine import linear
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 NEW_TOKENS = 64
 WINDOW = 12

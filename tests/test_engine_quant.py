@@ -24,7 +24,7 @@ from nodeagent.engine.linear import Linear
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.quant import WeightFormat, WeightFormatError, choose_format
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 CPU = torch.device("cpu")
 KERNELS = quant.kernel_speedups()

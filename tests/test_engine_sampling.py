@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 CPU = torch.device("cpu")
 PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])

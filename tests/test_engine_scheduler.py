@@ -13,12 +13,12 @@ import pytest
 from polling import background, wait_until
 from tinymodel import TINY
 
-from nodeagent import finish
+from proto import finish
 from nodeagent.daemon import GenerationError, GenExtras, StreamTooLong
 from nodeagent.engine.builtin import random_model
 from nodeagent.engine.scheduler import Generation, Scheduler
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 GREEDY = GenParams()
 SAMPLED = GenParams(temperature=1.0, top_p=0.95, min_p=0.01, top_k=100)

@@ -13,8 +13,8 @@ import pytest
 
 from conformance.text import load_text_codec
 from nodeagent.daemon import GenExtras
-from nodeagent.models import ALIASES, AliasUnavailable, alias_path
-from nodeagent.params import GenParams
+from proto.models import ALIASES, AliasUnavailable, alias_path
+from proto.params import GenParams
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "smollm2.json").read_text())
 ALIAS = VECTORS["alias"]

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from nodeagent.fleet import decode_params, decode_tokens, encode_params, encode_tokens
-from nodeagent.params import GenParams
+from proto.fleet import decode_params, decode_tokens, encode_params, encode_tokens
+from proto.params import GenParams
 from proto.postcard import PostcardError
 
 SAMPLED = GenParams(temperature=0.7, top_p=0.95, min_p=0.0, top_k=40, seed=42)

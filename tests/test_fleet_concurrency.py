@@ -7,7 +7,7 @@ import time
 from conformance.head import LEASE, FleetHead
 from conformance.reference import mock_tokens
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 JOIN = 30.0
 

@@ -11,7 +11,7 @@ import pytest
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
 from linkf.errors import LinkFError, Unauthorized
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 V2 = (2, 2)
 IDLE = 0.3

@@ -16,10 +16,10 @@ import pytest
 from conformance.head import FleetHead
 from conformance.raw import hung_up, raw_connect, raw_frame
 from linkf.errors import LinkFError
-from nodeagent import finish
+from proto import finish
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 
 def local_mock(prompt, max_new, seed=0):

@@ -5,9 +5,9 @@ import pytest
 from conformance.head import LEASE, FleetHead
 from conformance.reference import mock_tokens
 from linkf.errors import LinkFError, Unauthorized
-from nodeagent import finish
+from proto import finish
 from nodeagent.engine.mock import MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.linkf import TokenEventPayload
 
 

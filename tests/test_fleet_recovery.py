@@ -3,7 +3,7 @@ generates on where it left off."""
 
 from conformance.head import LEASE, FleetHead
 from conformance.reference import mock_tokens
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 
 def test_reconnect_holds_session_and_resumes_generation(node):

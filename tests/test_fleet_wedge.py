@@ -7,7 +7,7 @@ from conformance.head import LEASE, FleetHead
 from conformance.raw import hung_up, raw_connect
 from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 V2 = (2, 2)
 PROMPT = list(range(10, 26))

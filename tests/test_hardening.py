@@ -23,7 +23,7 @@ from linkf.agent import AgentSession
 from linkf.budget import BufferBudget
 from linkf.driver import Endpoint
 from linkf.errors import Envelope
-from nodeagent import finish
+from proto import finish
 from nodeagent.admission import Admission, Limits
 from nodeagent.cli import Options, loopback
 from nodeagent.engine.mock import MockDaemon

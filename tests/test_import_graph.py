@@ -1,5 +1,6 @@
 """The product's import graph, read from the source: no cycle between modules, the layers point
-one way (proto <- linkf <- nodeagent <- conformance), and nothing imports the tests."""
+one way (proto <- linkf <- nodeagent, and proto <- linkf <- conformance: the kit that checks a
+node never imports one), and nothing imports the tests."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ LAYERS = {
     "proto": set(),
     "linkf": {"proto"},
     "nodeagent": {"proto", "linkf"},
-    "conformance": {"proto", "linkf", "nodeagent"},
+    "conformance": {"proto", "linkf"},
 }
 
 
@@ -28,10 +29,11 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for package in LAYERS for p in sorted((ROOT / package).rglob("*.py"))}
 
 
-def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
-    """The project modules `path` imports, anywhere in it (a function-level import is an edge
-    too: it only moves the cycle to run time)."""
-    name = module_name(path)
+def imports_of(path: Path, known: dict[str, Path], name: str | None = None) -> set[str]:
+    """The project modules `path` (the module `name`, by default the one its place in the tree
+    names) imports, anywhere in it (a function-level import is an edge too: it only moves the
+    cycle to run time)."""
+    name = name or module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -98,13 +100,26 @@ def test_a_cycle_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("package", sorted(LAYERS))
-def test_each_layer_imports_only_the_layers_below_it(package):
-    wrong = {
+def wrong_way(edges: dict[str, set[str]], package: str) -> set[tuple[str, str]]:
+    """The imports out of `package` into a layer it may not use, or into the tests."""
+    return {
         (name, target)
-        for name, targets in graph().items()
+        for name, targets in edges.items()
         if name.split(".")[0] == package
         for target in targets
         if target.split(".")[0] not in LAYERS[package] | {package}
     }
-    assert wrong == set(), "imports across the layers the wrong way, or of the tests"
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_each_layer_imports_only_the_layers_below_it(package):
+    assert wrong_way(graph(), package) == set(), "imports across the layers the wrong way, or of the tests"
+
+
+def test_a_planted_import_of_the_node_by_the_kit_is_caught(tmp_path):
+    planted = tmp_path / "conformance" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text("from nodeagent.engine import open_engine\n")
+    known = {**modules(), "conformance.planted": planted}
+    edges = {**graph(), "conformance.planted": imports_of(planted, known, "conformance.planted")}
+    assert ("conformance.planted", "nodeagent.engine") in wrong_way(edges, "conformance")

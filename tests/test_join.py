@@ -16,7 +16,7 @@ from conformance.head import Dial, FleetHead, clock_id
 from conformance.reference import mock_tokens
 from linkf.driver import Endpoint, Liveness
 from linkf.secure import NoiseRole
-from nodeagent import finish
+from proto import finish
 from nodeagent.join import REFUSED, Backoff
 from proto.handshake import LinkRole
 

@@ -16,7 +16,7 @@ from conformance.head import FleetHead
 from conformance.raw import hung_up, raw_connect
 from conformance.reference import mock_tokens
 from linkf.errors import LinkFError
-from nodeagent import finish
+from proto import finish
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock", "--metrics-listen", "127.0.0.1:0")
 METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health$"

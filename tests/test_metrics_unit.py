@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from polling import wait_until
 
-from nodeagent import finish
+from proto import finish
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.metrics import MetricsServer, NodeMetrics
 from nodeagent.observe import Observers

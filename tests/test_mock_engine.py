@@ -12,7 +12,7 @@ import xxhash
 from polling import wait_until
 
 from conformance.reference import mock_stage, mock_tokens
-from nodeagent import finish
+from proto import finish
 from nodeagent.daemon import (
     GenerationError,
     GenerationResult,
@@ -23,7 +23,7 @@ from nodeagent.daemon import (
     StreamTooLong,
 )
 from nodeagent.engine.mock import POOL_BLOCKS, MockDaemon
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 
 def generate(daemon, prompt, n, seed=0, deadline_ms=0, on_tokens=None, batches=None):

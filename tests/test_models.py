@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent import models
+from proto import models
 from nodeagent.daemon import ModelLoadError
 from nodeagent.engine import open_engine
 

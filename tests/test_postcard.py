@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.handshake import Hello, LinkRole
 from proto.linkf import (
     PAYLOAD_TYPES,

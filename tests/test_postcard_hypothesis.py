@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto import linkf
 from proto import postcard as pc
 from proto.linkf import PAYLOAD_TYPES

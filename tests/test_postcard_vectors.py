@@ -5,7 +5,7 @@ from pathlib import Path
 import cbor2
 import pytest
 
-from nodeagent.params import GenParams
+from proto.params import GenParams
 from proto.linkf import ALL, PAYLOAD_TYPES
 from proto.postcard import U16, U32, Vec, from_bytes, to_bytes, to_plain
 

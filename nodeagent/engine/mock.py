@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from nodeagent import finish
 from nodeagent.daemon import (
     QOS_CLASSES,
     Consumer,
@@ -32,7 +31,8 @@ from nodeagent.daemon import (
     StageToken,
     check_stream,
 )
-from nodeagent.params import GenParams
+from proto import finish
+from proto.params import GenParams
 
 VOCAB = 32000
 N_LAYERS = 24

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nodeagent.params import GenParams
+from proto.params import GenParams
 
 
 class LaneSampler:

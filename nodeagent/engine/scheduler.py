@@ -27,11 +27,11 @@ from collections.abc import Callable
 
 import torch
 
-from nodeagent import finish
 from nodeagent.daemon import QOS_CLASSES, Consumer, GenerationError, SchedStats
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
 from nodeagent.engine.model import LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
+from proto import finish
 
 #: Prompt tokens one step prefills at most, across the lanes prefilling in it.
 PREFILL_CHUNK = 512

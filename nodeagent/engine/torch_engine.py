@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from nodeagent import finish
 from nodeagent.daemon import (
     MIN_CONTEXT,
     QOS_CLASSES,
@@ -47,8 +46,9 @@ from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.quant import Quantization, WeightFormat, WeightFormatError, choose_format
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
-from nodeagent.models import AliasUnavailable, is_gguf, resolve
-from nodeagent.params import GenParams
+from proto import finish
+from proto.models import AliasUnavailable, is_gguf, resolve
+from proto.params import GenParams
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model
 from nodeagent.engine.checkpoint import write_checkpoint  # noqa: E402
 from nodeagent.engine.model import ModelConfig  # noqa: E402
 from nodeagent.engine.torch_engine import TorchDaemon  # noqa: E402
-from nodeagent.params import GenParams  # noqa: E402
+from proto.params import GenParams  # noqa: E402
 
 NEW_TOKENS = 128
 PREFILL_TOKENS = 512

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from nodeagent.models import ALIASES, alias_path
+from proto.models import ALIASES, alias_path
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, MLP = 2048, 16, 32, 8, 8192
 HEAD_DIM = HIDDEN // HEADS

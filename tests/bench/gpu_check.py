@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nodeagent.daemon import GenExtras  # noqa: E402
 from nodeagent.engine.torch_engine import TorchDaemon  # noqa: E402
-from nodeagent.params import GenParams  # noqa: E402
+from proto.params import GenParams  # noqa: E402
 
 AGREEMENT_TOKENS = 64
 AGREEMENT_PROMPTS = 4

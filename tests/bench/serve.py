@@ -60,7 +60,7 @@ from linkf.message import Message  # noqa: E402
 from nodeagent.agent import EVENT_TOKENS_MAX, UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX  # noqa: E402
 from nodeagent.daemon import SchedStats  # noqa: E402
 from nodeagent.engine.mock import _Stepper  # noqa: E402
-from nodeagent.params import GenParams  # noqa: E402
+from proto.params import GenParams  # noqa: E402
 from proto.linkf import (  # noqa: E402
     TokenEvent,
     TokenEventPayload,

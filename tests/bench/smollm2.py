@@ -27,8 +27,8 @@ from procstat import rss_mb
 from nodeagent.daemon import GenExtras
 from nodeagent.engine.gguf_file import load_gguf
 from nodeagent.engine.torch_engine import TorchDaemon
-from nodeagent.models import ALIASES, AliasUnavailable, alias_path
-from nodeagent.params import GenParams
+from proto.models import ALIASES, AliasUnavailable, alias_path
+from proto.params import GenParams
 
 VECTORS = json.loads((Path(__file__).parents[1] / "vectors" / "smollm2.json").read_text())
 ALIAS = VECTORS["alias"]

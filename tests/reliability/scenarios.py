@@ -23,7 +23,7 @@ from conformance.reference import mock_tokens
 from linkf.budget import DEFAULT_BUDGET
 from linkf.errors import LinkFError
 from linkf.secure import NoiseRole, SecureStream, key_from
-from nodeagent import finish
+from proto import finish
 from proto import postcard
 from proto.envelope import MAX_FRAME
 from proto.handshake import MAX_HELLO_FRAME, Hello, LinkRole

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nodeagent.models import ALIASES, alias_path  # noqa: E402
+from proto.models import ALIASES, alias_path  # noqa: E402
 
 ALIAS = "smollm2-135m-instruct"
 NEW_TOKENS = 64

@@ -10,7 +10,7 @@ class GenParams:
     """Sampling knobs of one session. All zeros means greedy with no truncation.
 
     `top_p` 0 or 1, `top_k` 0 and `min_p` 0 each mean "off"; `seed` makes a sampled generation
-    reproducible. The annotations are the postcard wire types (`nodeagent.fleet`).
+    reproducible. The annotations are the postcard wire types (`proto.fleet`).
     """
 
     temperature: F32 = 0.0
