@@ -11,6 +11,7 @@ import select
 import socket
 import time
 
+from linkf.driver import split_address
 from linkf.errors import Closed, TimedOut
 from linkf.message import Message
 from linkf.secure import NoiseRole, SecureStream, key_from
@@ -39,13 +40,8 @@ def raw_frame(
     return FRAME_HEAD.pack(length, version, msg_type_, seq, 0, class_byte) + payload
 
 
-def split_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def raw_connect(addr: str, timeout: float = 5.0) -> socket.socket:
-    sock = socket.create_connection(split_addr(addr), timeout)
+    sock = socket.create_connection(split_address(addr), timeout)
     sock.settimeout(timeout)
     return sock
 

@@ -111,7 +111,8 @@ def _peer_of(sock: socket.socket) -> str:
     return f"unix:{addr}" if addr else "unix socket"
 
 
-def _split_addr(addr: str | tuple[str, int]) -> tuple[str, int]:
+def split_address(addr: str | tuple[str, int]) -> tuple[str, int]:
+    """(host, port) of `host:port` or `[v6]:port`, the brackets taken off; a tuple as it is."""
     if isinstance(addr, tuple):
         return addr
     host, _, port = addr.rpartition(":")
@@ -571,7 +572,7 @@ def _deadline(timeout: float | None) -> float | None:
 
 
 def _dial(addr: str | tuple[str, int], timeout: float | None) -> socket.socket:
-    target = _split_addr(addr)
+    target = split_address(addr)
     try:
         sock = socket.create_connection(target, timeout)
     except TimeoutError as e:

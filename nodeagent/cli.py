@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from linkf.driver import split_address
 from linkf.secure import ASCII_WHITESPACE, read_token
 from nodeagent import logs
 from nodeagent.agent import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT
@@ -285,8 +286,7 @@ def loopback(listen: str) -> bool:
     """Whether every address `listen`'s host resolves to is a loopback address. The addresses
     are checked, not the text (`127.0.0.1.nip.io` is a name like any other); a host that does
     not resolve is not loopback."""
-    host = listen.rpartition(":")[0]
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    host, _ = split_address(listen)
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError):
@@ -370,10 +370,9 @@ def _os_error(e: OSError) -> str:
 def resolve(listen: str) -> tuple:
     """`(family, type, proto, canonname, sockaddr)` of `listen` (checked by the parser to be
     `host:port`); Exit(1) when the host does not resolve."""
-    host, _, port = listen.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    host, port = split_address(listen)
     try:
-        return socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError as e:
         raise Exit(1, f"bind {listen} failed: {_os_error(e)}") from None
 

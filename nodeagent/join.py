@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from linkf.driver import Endpoint
+from linkf.driver import Endpoint, split_address
 from linkf.errors import Closed, LinkFError, Unauthorized
 from linkf.secure import NoiseRole
 from nodeagent.cli import (
@@ -201,8 +201,7 @@ class Joiner:
             self.observer.ended(peer, error)
 
     def _dial(self) -> Endpoint:
-        host, _, port = self.head.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)), CONNECT_S)
+        sock = socket.create_connection(split_address(self.head), CONNECT_S)
         sock.settimeout(None)
         if not self.token:
             return Endpoint.from_tcp(sock)

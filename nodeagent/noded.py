@@ -12,7 +12,6 @@ kind, never a real head.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import select
@@ -42,6 +41,7 @@ from nodeagent.cli import (
     start_metrics,
 )
 from nodeagent.daemon import Daemon, DaemonError
+from nodeagent.heap import return_free_memory
 from nodeagent.observe import Observers
 
 log = logging.getLogger("nodeagent.noded")
@@ -131,7 +131,7 @@ class Node:
                 time.sleep(POLL_S)
             if time.monotonic() - swept >= SWEEP_S:
                 self.agent.fence(self.agent.now_ms())
-                _return_free_memory()
+                return_free_memory()
                 swept = time.monotonic()
 
     def stop(self) -> None:
@@ -300,25 +300,6 @@ class Node:
         self.daemon.close()
         say("drained; exiting")
         return 0
-
-
-def _malloc_trim():
-    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def _return_free_memory() -> None:
-    """Hands the allocator's free pages back to the system. glibc keeps what big frame buffers
-    and finished connections freed in its per-thread arenas, so without this the node's RSS
-    stays at its peak long after the load has gone."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def _hang_up(sock: socket.socket) -> None:

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 
-from conformance.raw import split_addr
+from linkf.driver import split_address
 from linkf.message import Message
 from proto import postcard
 from proto.envelope import EnvelopeError, Frame, FrameDecoder, encode_frame
@@ -202,7 +202,7 @@ class FaultProxy:
                 head, _ = self._listener.accept()
             except (TimeoutError, OSError):
                 continue
-            link = Link(head, socket.create_connection(split_addr(self.upstream), 5))
+            link = Link(head, socket.create_connection(split_address(self.upstream), 5))
             self._links.append(link)
             for target in (self._from_head, self._from_node):
                 t = threading.Thread(target=target, args=(link,), daemon=True, name="fault-proxy-link")

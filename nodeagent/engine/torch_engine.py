@@ -10,7 +10,6 @@ scheduler.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
@@ -46,6 +45,7 @@ from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.quant import Quantization, WeightFormat, WeightFormatError, choose_format
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
+from nodeagent.heap import return_free_memory
 from proto import finish
 from proto.models import AliasUnavailable, is_gguf, resolve
 from proto.params import GenParams
@@ -133,7 +133,7 @@ class TorchDaemon(Daemon):
                 loaded = load_gguf(path, floats, dev, quantization.format)
             else:
                 loaded = load_model(path, floats, dev, quantization.format)
-            return_freed_heap()
+            return_free_memory()
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
             return cls(
                 loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks,
@@ -369,19 +369,6 @@ def _free_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
-
-
-def return_freed_heap() -> None:
-    """Hand the memory a load freed (source tensors, fusing temporaries) back to the system.
-
-    glibc keeps freed small and mid-sized chunks in its heap, so after a load the process
-    holds the checkpoint's copy as well as the model's; `malloc_trim` gives it back. Elsewhere
-    (another libc) this does nothing.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def serving_threads(torch_threads: int, cpus: int) -> int:
