@@ -40,7 +40,7 @@ from proto.envelope import MAX_FRAME, EnvelopeError, Frame, FrameClass, FrameDec
 from proto.handshake import MAX_HELLO_FRAME, Hello, HelloAckF, LinkRole, negotiate
 from proto.linkf import is_known_type, msg_type
 
-from . import quick
+from . import gil_held
 from .budget import PROCESS_BUDGET, BufferBudget
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
 from .message import Message
@@ -266,7 +266,7 @@ class Endpoint:
                 return True
             data = self._next_frame(msg_type_, self._encode(msg_type_, msg))
             try:
-                taken = quick.send(self._sock, data)
+                taken = gil_held.send(self._sock, data)
             except (BlockingIOError, InterruptedError):
                 taken = 0
             except (OSError, ValueError) as e:
@@ -455,7 +455,7 @@ class Endpoint:
         to read. A ``waiting`` without the socket (``_wakeable``) reads whatever has come,
         without waiting for more."""
         wait_ms = math.ceil(max(timeout, 0.0) * 1000)
-        if wait_ms <= 0:  # a zero-time poll would only let go of the GIL (`quick`)
+        if wait_ms <= 0:  # a zero-time poll would only let go of the GIL (`gil_held`)
             return True
         try:
             ready = waiting.poll(wait_ms)  # retried on EINTR by Python itself (PEP 475)
@@ -466,7 +466,7 @@ class Endpoint:
     def _read(self) -> None:
         """Feeds the decoder what one read brings, without waiting. Under ``_reading``."""
         try:
-            data = quick.recv(self._sock, _READ)
+            data = gil_held.recv(self._sock, _READ)
         except (BlockingIOError, InterruptedError):
             return
         except (OSError, ValueError) as e:
@@ -508,7 +508,7 @@ class Endpoint:
         sent = 0
         while sent < len(data):
             try:
-                sent += quick.send(self._sock, data, sent)
+                sent += gil_held.send(self._sock, data, sent)
                 continue
             except (BlockingIOError, InterruptedError):
                 pass

@@ -5,7 +5,7 @@ deadline together: a worker calls ``set`` after handing something over, and the 
 ``clear`` before it looks at what was handed over. ``set`` writes only when the waker is not
 already set, so a worker handing over many batches makes one system call, not one each, and
 ``clear`` reads only when it is set, so a pass the head's bytes woke makes none. Both make
-theirs through ``quick``, holding the GIL: a busy engine thread that let go of it would wait to
+theirs through ``gil_held``, holding the GIL: a busy engine thread that let go of it would wait to
 get it back.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 
-from . import quick
+from . import gil_held
 
 _ONE = (1).to_bytes(8, "little")
 
@@ -49,7 +49,7 @@ class Waker:
                 return
             self._set = True
             try:
-                quick.write(self._write, _ONE)
+                gil_held.write(self._write, _ONE)
             except OSError:
                 pass
 
@@ -63,7 +63,7 @@ class Waker:
                 return
             self._set = False
             try:
-                quick.read(self._read, 8)  # an eventfd's whole count, or a pipe's one byte
+                gil_held.read(self._read, 8)  # an eventfd's whole count, or a pipe's one byte
             except OSError:
                 pass
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from linkf import quick
+from linkf import gil_held
 from linkf.waker import Waker
 
 
@@ -56,13 +56,13 @@ def test_no_hand_over_is_lost_and_the_flag_keeps_with_the_descriptor(waker, monk
     clears and drains; the writes are slowed to widen every race. Every item arrives, and at
     the end of each round one clear leaves the waker unreadable: a flag that disagreed with the
     descriptor would leave it readable for good (the loop spinning) or miss a wake."""
-    write = quick.write
+    write = gil_held.write
 
     def slow_write(fd: int, data: bytes) -> int:
         time.sleep(0)
         return write(fd, data)
 
-    monkeypatch.setattr(quick, "write", slow_write)
+    monkeypatch.setattr(gil_held, "write", slow_write)
     workers, rounds = 4, 300
     items: queue.Queue[int] = queue.Queue()
     start, done = threading.Barrier(workers + 1), threading.Barrier(workers + 1)

@@ -76,7 +76,7 @@ STREAM_TOKENS = 300_000 if QUICK else 1_000_000
 #: node). 16 threads (a loop and a worker a connection) share the GIL: while each system call
 #: let go of it, the median 8-to-1 ratio read 0.87-0.95 over eight runs of `ab_stream.py` (8,600
 #: against 2,000 context switches a million tokens); with the calls that cannot block made
-#: holding it (`linkf.quick`), 1.10 and 1.13 in two runs. A trial takes about 2 s, and the
+#: holding it (`linkf.gil_held`), 1.10 and 1.13 in two runs. A trial takes about 2 s, and the
 #: median of 9 read 1.00-1.11 over four runs of the same code: 27 trials cut its sampling
 #: error to about 60 %, for a minute more. One node differs from the next as much again: four
 #: nodes of the same code, 50 trials each, read medians of 0.98-1.07 in one run and 1.06-1.14

@@ -12,7 +12,9 @@ wait: sends, receives and eventfd reads and writes on non-blocking descriptors, 
 enough (``HELD_SEND_MAX``) that the kernel's copy costs less than the switch; a larger send
 lets go as before, so other threads run while the kernel copies. Each behaves as its socket or
 ``os`` twin: the same return values, the same ``OSError`` subclasses (``BlockingIOError`` when
-nothing could move). Where libc cannot be called this way (not POSIX), the twins stand in.
+nothing could move), for any bytes-like data. The twins stand in where libc cannot be called
+this way (not POSIX), on a CPython without a GIL (nothing to keep), and where the operator set
+``SUPERFLUID_GIL_HELD_CALLS=0``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable
 
-#: The largest send made holding the GIL: 64 KiB to a loopback TCP peer took a median 29 us
-#: here (p90 53 us), about what the switches it saves cost.
+#: The operator's switch: "0" makes every call its socket or ``os`` twin.
+SWITCH = "SUPERFLUID_GIL_HELD_CALLS"
+
+#: The largest send made holding the GIL: about what the kernel's copy of it costs against the
+#: two switches it saves (docs/performance.md).
 HELD_SEND_MAX = 64 * 1024
 #: The largest receive made holding the GIL (a head's acknowledgements: a hundred of them); a
 #: larger one lets go for what lies beyond, as a bulk transfer should.
@@ -35,11 +41,11 @@ _SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
 
 def _libc() -> ctypes.PyDLL | None:
     """libc's send, recv, write and read, returning ssize_t. Their argument types are not
-    declared, which spares a conversion call per argument (a held send and receive cost
-    6.5 us against the socket module's 2.3 us, here, uncontended; 4 us without them): ctypes
-    passes a Python int as a C int, bytes or a ctypes buffer as a pointer to its data, and
-    each size goes as a `ctypes.c_size_t`, the type the call takes."""
-    if os.name != "posix":
+    declared, which spares a conversion call per argument: ctypes passes a Python int as a C
+    int, bytes or a ctypes buffer as a pointer to its data, and each size goes as a
+    `ctypes.c_size_t`, the type the call takes."""
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    if os.name != "posix" or not gil or os.environ.get(SWITCH) == "0":
         return None
     try:
         libc = ctypes.PyDLL(None, use_errno=True)
@@ -62,13 +68,14 @@ def held() -> bool:
     return _LIBC is not None
 
 
-def send(sock: socket.socket, data: bytes, start: int = 0) -> int:
+def send(sock: socket.socket, data: bytes | bytearray | memoryview, start: int = 0) -> int:
     """Sends ``data[start:]`` as ``sock.send`` would (the socket is non-blocking): how many
     bytes the socket took."""
-    size = len(data) - start
-    if _LIBC is None or size > HELD_SEND_MAX:
-        return sock.send(memoryview(data)[start:])
-    taken = _LIBC.send(sock.fileno(), data[start:] if start else data, _SIZE(size), _SEND_FLAGS)
+    view = memoryview(data).cast("B")[start:]
+    if _LIBC is None or len(view) > HELD_SEND_MAX:
+        return sock.send(view)
+    held = data if start == 0 and type(data) is bytes else view.tobytes()
+    taken = _LIBC.send(sock.fileno(), held, _SIZE(len(held)), _SEND_FLAGS)
     if taken < 0:
         raise _error()
     return taken
@@ -89,11 +96,12 @@ def recv(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def write(fd: int, data: bytes) -> int:
+def write(fd: int, data: bytes | bytearray | memoryview) -> int:
     """``os.write`` on a non-blocking descriptor."""
     if _LIBC is None:
         return os.write(fd, data)
-    written = _LIBC.write(fd, data, _SIZE(len(data)))
+    held = data if type(data) is bytes else memoryview(data).cast("B").tobytes()
+    written = _LIBC.write(fd, held, _SIZE(len(held)))
     if written < 0:
         raise _error()
     return written

@@ -1,4 +1,4 @@
-"""`linkf.quick`: each call behaves as its socket or `os` twin (the same bytes, the same errors),
+"""`linkf.gil_held`: each call behaves as its socket or `os` twin (the same bytes, the same errors),
 and the short ones keep the GIL, which their twins let go of."""
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linkf import quick
+from linkf import gil_held
 
 
 @pytest.fixture(params=["held", "twins"])
 def calls(request, monkeypatch):
-    """`quick` as it runs here, and as it runs where libc cannot be called (the twins)."""
-    if request.param == "held" and not quick.held():
+    """`gil_held` as it runs here, and as it runs where libc cannot be called (the twins)."""
+    if request.param == "held" and not gil_held.held():
         pytest.skip("libc cannot be called holding the GIL here")
     if request.param == "twins":
-        monkeypatch.setattr(quick, "_LIBC", None)
-    return quick
+        monkeypatch.setattr(gil_held, "_LIBC", None)
+    return gil_held
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -54,8 +54,8 @@ def _drain(calls, sock: socket.socket, size: int) -> bytes:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    frames=st.lists(st.integers(0, 3 * quick.HELD_SEND_MAX), max_size=6),
-    read_size=st.sampled_from([1_000, quick.HELD_RECV_MAX, 64 * 1024]),
+    frames=st.lists(st.integers(0, 3 * gil_held.HELD_SEND_MAX), max_size=6),
+    read_size=st.sampled_from([1_000, gil_held.HELD_RECV_MAX, 64 * 1024]),
 )
 def test_frames_arrive_whole_and_in_order_through_full_buffers(calls, frames, read_size):
     """Frames of every size around the held limits, written until the socket takes no more
@@ -80,7 +80,7 @@ def test_frames_arrive_whole_and_in_order_through_full_buffers(calls, frames, re
 
 def test_a_read_larger_than_the_held_limit_takes_what_lies_beyond_it(calls, pair):
     a, b = pair
-    data = os.urandom(3 * quick.HELD_RECV_MAX)
+    data = os.urandom(3 * gil_held.HELD_RECV_MAX)
     a.sendall(data)
     assert calls.recv(b, len(data)) == data
 
@@ -89,7 +89,7 @@ def test_a_read_larger_than_the_held_limit_reads_as_its_twin(calls):
     r, w = os.pipe()
     try:
         os.set_blocking(r, False)
-        data = os.urandom(3 * quick.HELD_RECV_MAX)
+        data = os.urandom(3 * gil_held.HELD_RECV_MAX)
         os.write(w, data)
         assert calls.read(r, len(data)) == data
     finally:
@@ -200,14 +200,14 @@ def _turns_taken_by_another_thread(call, times: int) -> int:
     return during
 
 
-@pytest.mark.skipif(not quick.held(), reason="libc cannot be called holding the GIL here")
+@pytest.mark.skipif(not gil_held.held(), reason="libc cannot be called holding the GIL here")
 def test_short_calls_keep_the_gil_that_their_twins_let_go_of(pair):
     a, b = pair
     frame = b"f" * 200
 
     def held_round() -> None:
-        quick.send(a, frame)
-        quick.recv(b, 1024)
+        gil_held.send(a, frame)
+        gil_held.recv(b, 1024)
 
     def twin_round() -> None:
         a.send(frame)
@@ -217,3 +217,29 @@ def test_short_calls_keep_the_gil_that_their_twins_let_go_of(pair):
     # it back: on this 2-core machine 2,000 rounds gave it no turn in 4 runs of 30.
     assert _turns_taken_by_another_thread(twin_round, 20_000) > 0, "the twins let go of the GIL"
     assert _turns_taken_by_another_thread(held_round, 20_000) == 0
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview, lambda b: memoryview(b).cast("I")])
+def test_any_bytes_like_object_is_sent_as_its_bytes(calls, pair, kind):
+    a, b = pair
+    data = os.urandom(64)
+    assert calls.send(a, kind(data)) == 64
+    assert calls.send(a, kind(data), 8) == 56
+    assert b.recv(1000) == data + data[8:]
+    r, w = os.pipe()
+    try:
+        assert calls.write(w, kind(data)) == 64
+        assert os.read(r, 100) == data
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_the_operators_switch_turns_the_held_calls_off():
+    import subprocess
+
+    code = "from linkf import gil_held; print(gil_held.held())"
+    for value, want in (("0", "False"), ("1", str(gil_held.held()))):
+        env = {**os.environ, gil_held.SWITCH: value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == want, out.stderr
