@@ -3,7 +3,7 @@ catalog's message type, the receiving twin of ``Endpoint.send`` taking a message
 
 The payload is decoded on the first read of ``Message.msg``, not when the frame arrives. The
 Rust agent decodes a payload only for the types it acts on and drops every other frame unread
-(``_ => {}`` in the seed's ``handle``), so a TELEMETRY or POLICY_UPDATE whose payload does not
+(``_ => {}`` in the Rust node's ``handle``), so a TELEMETRY or POLICY_UPDATE whose payload does not
 decode costs the peer nothing; decoding every frame in ``pump`` would turn that frame into a
 ``Payload`` error and end the link. Read lazily, a frame is decoded exactly when a caller needs
 it, as before, and what fails to decode fails here, one way, for every caller. Types outside

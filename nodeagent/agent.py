@@ -15,7 +15,7 @@ frame from the head is read within one pass whatever the engine produces.
 
 The torch scheduler sends a step's tokens to the head itself when nothing of the generation
 waits in its outbox, the window has room and no other send is in progress
-(`Connection.send_direct`); else it hands them to the loop as the seed's workers did. It never
+(`Connection.send_direct`); else it hands them to the loop as the Rust node's workers did. It never
 waits: what the socket does not take at once is left for the loop to write. After each such
 send it reads what the head sent (`Endpoint.glean`), applies the acknowledgements itself and
 wakes the loop only for the rest, so while a head keeps up the loop sleeps, waking every
@@ -82,7 +82,7 @@ DEFAULT_IDLE_TIMEOUT = 30.0
 
 #: Seconds a head may take no bytes, or acknowledge no event, while the node has a
 #: generation's output waiting for it; then the connection is dropped and its generation
-#: stopped, which frees its lane and KV. The seed wrote on a blocking socket with no limit.
+#: stopped, which frees its lane and KV. The Rust node wrote on a blocking socket with no limit.
 DEFAULT_WRITE_TIMEOUT = 10.0
 
 STATUS_INTERVAL_MS = 2_000
@@ -90,14 +90,14 @@ STATUS_INTERVAL_MS = 2_000
 STATUS_SHARE_MS = 100
 #: Seconds after which a renewal the head left unanswered is asked for again.
 RENEW_RETRY = 1.0
-#: The most tokens one TOKEN_EVENTS carries, which bounds one pass's work. The seed waited for
+#: The most tokens one TOKEN_EVENTS carries, which bounds one pass's work. The Rust node waited for
 #: 16 tokens or 200 ms; this loop sends what a step produced as soon as it can, and only what
 #: piled up while it was busy goes out together.
 EVENT_TOKENS_MAX = 1024
 #: How long the head's frames may wait while a generation streams: the loop wakes for the next
 #: token, not for each acknowledgement, and reads what the head sent in that token's pass. A
 #: torch decode step on the builtin model takes 20-30 ms, so a stream takes its acks at no wake
-#: of their own, and a GENERATE_CANCEL still waits under 50 ms when steps are slower. The seed
+#: of their own, and a GENERATE_CANCEL still waits under 50 ms when steps are slower. The Rust node
 #: woke for every frame.
 HEAD_FRAME_WAIT_S = 0.040
 #: How long the head's frames may wait while the engine's thread, sending a generation's tokens
@@ -180,7 +180,7 @@ class GenerationJob:
 @dataclass
 class Running:
     """A generation running on a connection. Whoever drops one must `stop()` it, which ends the
-    generation at its next step (the seed did that in `Drop`)."""
+    generation at its next step (the Rust node did that in `Drop`)."""
 
     session_id: int
     generation_id: int
@@ -277,7 +277,7 @@ class NodeAgent:
         return self
 
     def connection(self) -> Connection:
-        """What serves one more connection: the seed made a twin of the whole agent with fresh
+        """What serves one more connection: the Rust node made a twin of the whole agent with fresh
         status and renewal clocks; here the node-wide part stays in this agent, shared."""
         return Connection(self)
 
@@ -379,7 +379,7 @@ class NodeAgent:
 
 
 class Connection:
-    """One connection's serve loop: the seed's per-connection twin of `NodeAgent`, holding what
+    """One connection's serve loop: the Rust node's per-connection twin of `NodeAgent`, holding what
     is the connection's own (its status and renewal clocks) beside the node it serves."""
 
     def __init__(self, node: NodeAgent) -> None:
@@ -396,7 +396,7 @@ class Connection:
     def serve(self, endpoint: Endpoint, on_hello: Callable[[], None] | None = None) -> None:
         """Serves one head until it leaves; raises the error (LinkFError or DaemonError) that
         ended the connection otherwise. On the way out it stops the connection's generation and
-        closes the endpoint, as dropping them did in the seed. `on_hello` runs once the head's
+        closes the endpoint, as dropping them did in the Rust node. `on_hello` runs once the head's
         HELLO is answered: the node's admission counts the connection as a handshake until then."""
         work = Work()
         endpoint.write_timeout(self.node.write_timeout or None)
@@ -446,7 +446,7 @@ class Connection:
                 )
 
     def serve_pass(self, endpoint: Endpoint, work: Work) -> bool:
-        """One pass of the seed's cycle; False once the connection should end."""
+        """One pass of the Rust node's cycle; False once the connection should end."""
         now = self.node.now_ms()
         self.tend_leases(endpoint, now)
         if now >= self.last_status_ms + STATUS_INTERVAL_MS:
@@ -528,7 +528,7 @@ class Connection:
 
     def handle(self, endpoint: Endpoint, message: Message, work: Work) -> None:
         """Acts on one message from the head; every type without a handler below is ignored,
-        its payload never decoded, as in the seed."""
+        its payload never decoded, as in the Rust node."""
         handler = self._handlers.get(message.msg_type)
         if handler is not None:
             handler(self, endpoint, message.msg, work)

@@ -3,7 +3,7 @@ and whatever watches it (Prometheus metrics, the story lines in the log).
 
 The agent and the accept loop call these methods at the moments an operator cares about and
 nothing more; counting, timing and wording live with the observers, so the serve loop stays the
-seed's. Every method may be called from any thread and must return quickly: it runs on a
+Rust node's. Every method may be called from any thread and must return quickly: it runs on a
 connection's loop.
 """
 

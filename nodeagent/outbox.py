@@ -1,4 +1,4 @@
-"""The bounded hand-off from a generation's worker to its connection's loop (the seed's mpsc
+"""The bounded hand-off from a generation's worker to its connection's loop (the Rust node's mpsc
 channel, with a bound).
 
 The worker puts one batch per engine step and blocks while the outbox's slots are full, so a
@@ -71,7 +71,7 @@ class _Batches(queue.Queue):
 @dataclass(frozen=True)
 class Done:
     """The generation ended: its result, or the daemon's error; None when the worker failed
-    without one (the seed's hung-up channel)."""
+    without one (the Rust node's hung-up channel)."""
 
     generated: GenerationResult | DaemonError | None
 

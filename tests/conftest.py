@@ -62,7 +62,7 @@ def frozen_heap():
 
 
 class PlainLinkNode(Node):
-    """The seed's link: the token rides in HELLO only, no Noise under it. No mode of the
+    """The Rust node's link: the token rides in HELLO only, no Noise under it. No mode of the
     product (a token there always means Noise); kept to test the agent's own HELLO check."""
 
     def _open(self, sock: socket.socket) -> Endpoint:

@@ -73,7 +73,7 @@ def test_unknown_droppable_frames_and_unhandled_types_are_skipped(node):
         head.endpoint.send(0x8003)  # droppable, and unknown to this node
         head.endpoint.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"span"))
         head.endpoint.send(msg_type.POLICY_UPDATE, PolicyUpdateMsg(policy_version=3, envelope=b"x"))
-        # Types the node does not act on are never decoded (as in the seed): a payload that
+        # Types the node does not act on are never decoded (as in the Rust node): a payload that
         # would not decode costs nothing there.
         head.endpoint.send_payload(msg_type.TELEMETRY, b"\xff")
         head.endpoint.send_payload(msg_type.PARK_REQ, b"\x01")

@@ -85,7 +85,7 @@ def test_a_million_token_stream_leaves_the_head_heard_and_the_window_bounded(nod
         assert g.finish == finish.CANCELLED and len(g.tokens) < MILLION
         # The kit's reference hashes the whole context each step: a prefix keeps it quick.
         assert g.tokens[:4096] == mock_tokens(prompt, 4096), "token-exact"
-    # Generous bounds for a loaded machine: the seed took 13-24 s for each; `make bench`
+    # Generous bounds for a loaded machine: the Rust node took 13-24 s for each; `make bench`
     # measures the real figures.
     assert declined_after < 1.0 and cancelled_after < 1.0
     assert peak["tokens"] <= UNACKED_TOKENS_MAX and peak["events"] <= UNACKED_EVENTS_MAX
@@ -137,7 +137,7 @@ def test_a_head_that_never_acknowledges_gets_one_window_then_is_dropped(start_no
 
 def test_each_token_of_a_slow_engine_leaves_at_once(start_node):
     """No coalescing timer: with 60 ms between steps, every token goes out in its own event,
-    well before the next one is made (the seed held tokens up to 200 ms)."""
+    well before the next one is made (the Rust node held tokens up to 200 ms)."""
     node = start_node(MockDaemon(token_delay_s=0.06))
     with FleetHead.connect(node.addr) as head:
         placed(head, 1, [3])
@@ -180,7 +180,7 @@ def test_idle_connections_sleep_until_their_next_deadline(start_node, monkeypatc
     finally:
         for head in heads:
             head.close()
-    # One status each 2 s is all an idle connection has to do; the seed's loop made 75 passes
+    # One status each 2 s is all an idle connection has to do; the Rust node's loop made 75 passes
     # a connection in 1.5 s (a 20 ms poll).
     assert during <= 2 * len(heads), f"{during} passes for {len(heads)} idle connections in 1.5 s"
 
