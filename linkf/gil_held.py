@@ -3,9 +3,8 @@
 CPython lets go of the GIL around every socket and ``os`` call, whether it can block or not.
 With many threads (a loop and a worker for each connection) every letting go hands the GIL to
 a thread waiting for it, and the caller then waits to get it back: two context switches for a
-send that took microseconds. Streaming on 8 connections, the node switched 8,600 times a
-million tokens against 2,000 on one connection, and most of the switches followed a
-non-blocking send, a zero-time poll, a read or a waker's write (``perf`` on sched_switch).
+send that took microseconds. Most of a streaming node's context switches followed such a
+call (docs/performance.md, "Serve loop").
 
 A call through ``ctypes.PyDLL`` keeps the GIL. These wrappers make only calls that cannot
 wait: sends, receives and eventfd reads and writes on non-blocking descriptors, and sends short

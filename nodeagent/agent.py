@@ -95,21 +95,19 @@ RENEW_RETRY = 1.0
 #: piled up while it was busy goes out together.
 EVENT_TOKENS_MAX = 1024
 #: How long the head's frames may wait while a generation streams: the loop wakes for the next
-#: token, not for each acknowledgement, and reads what the head sent in that token's pass. A
-#: torch decode step on the builtin model takes 20-30 ms, so a stream takes its acks at no wake
-#: of their own, and a GENERATE_CANCEL still waits under 50 ms when steps are slower. The Rust node
-#: woke for every frame.
+#: token, not for each acknowledgement, and reads what the head sent in that token's pass: a
+#: stream takes its acks at no wake of their own, and a GENERATE_CANCEL still waits under 50 ms
+#: when steps are slower. The Rust node woke for every frame.
 HEAD_FRAME_WAIT_S = 0.040
 #: How long the head's frames may wait while the engine's thread, sending a generation's tokens
 #: itself, reads them at each send (`Endpoint.glean`), applies the acknowledgements and wakes
 #: the loop for the rest: they wait at most a step then, and this long only once the engine
-#: stops sending without the generation ending. In the bench's 8-lane decode a loop's passes fell
-#: from 35 to 7 a second; on the 2-core machine those wake-ups had cost 3-6 % of its rate.
+#: stops sending without the generation ending; the loop's wake-ups it saves cost the engine's
+#: rate on a small machine (docs/performance.md).
 GLEANED_FRAME_WAIT_S = 0.25
 #: The head's frames the engine's thread acts on itself when it reads them after a send, as the
 #: loop would: an acknowledgement only moves the window, under the shared lock. Left for the
-#: loop, each pass it took for them held the GIL for about 70 us a frame in the bench's 8-lane
-#: decode, time taken from the engine's thread.
+#: loop, each pass it took for them held the GIL, time taken from the engine's thread.
 _GLEANED_TYPES = frozenset((msg_type.WATERMARK_ACK,))
 #: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
 TRANSFER_WINDOW = 8

@@ -104,7 +104,8 @@ class GenerationResult:
     """`tokens` generated, the engine's `finish` reason, and whether the wall budget ran out.
 
     `tokens` is any sequence: the mock hands back its own 4-byte-a-token array, since a list of
-    a 1M-token stream would hold 36 MB and take 40 ms of the GIL to build, all for a length."""
+    a long stream would take nine times the memory and a long hold of the GIL to build, all for
+    a length."""
 
     tokens: Sequence[int]
     finish: int

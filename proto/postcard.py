@@ -501,9 +501,9 @@ def _array_code(bits: int) -> str:
 #: The varint of every value seen in a token list that is not written all at once (a short
 #: list, such as a decode step's one-token event, a Vec<u64>, or a list with a zero), by value:
 #: the first 2**14 written at import, the rest as they come, up to this cap (2 MiB of slots at
-#: the most, a vocabulary's worth). A list, not a dict: a streaming node spent a fifth of its
-#: time in the dict's lookups, its entries out of cache, and the list made its mock stream 1.3x
-#: faster (long lists now skip the table: `_varints_at_once`).
+#: the most, a vocabulary's worth). A list, not a dict: on a streaming node the dict's lookups,
+#: their entries out of cache, were a large share of its time (long lists now skip the table:
+#: `_varints_at_once`).
 _VARINT_CACHE_MAX = 1 << 18
 _VARINTS: list[bytes | None] = list(_VARINT)
 #: A value's varint from the table: a value not in it yet is a None there, which `join`
@@ -523,10 +523,9 @@ def _table_varint(x: int, write: Callable[[int], bytes]) -> bytes:
     return b
 
 
-#: Varint lists at least this long are written by `_varints_at_once`, about two dozen steps over
-#: the whole list as one Python int (30 us for 1,024 values); the table's join costs 20 ns a
-#: value while its entries are in cache, and about 200 ns on a streaming node, where they are
-#: not. (numpy would take 20 us, but lets go of the GIL at each step of an array this long,
+#: Varint lists at least this long are written by `_varints_at_once`, a couple dozen steps over
+#: the whole list as one Python int, which beats the table's join once its entries are out of
+#: cache, as on a streaming node. (numpy lets go of the GIL at each step of an array this long,
 #: and on a node with many threads each step then waits its turn.)
 _AT_ONCE_MIN = 128
 #: Values worked out together at most: the masks are kept for each run length.

@@ -1,8 +1,8 @@
 """Projections `x @ W.T + b` with W kept in the layout its device multiplies fastest.
 
-On CPU (fp32) the weight is pre-packed for oneDNN: measured on the bench machine, that runs the
-few-row matmuls of batched decode 2-3x faster than the MKL path of `F.linear`, and single-row
-decode no slower. Elsewhere (CUDA, or a torch without oneDNN) `F.linear` is the fast path.
+On CPU (fp32) the weight is pre-packed for oneDNN, which runs the few-row matmuls of batched
+decode faster than the MKL path of `F.linear`, and single-row decode no slower. Elsewhere
+(CUDA, or a torch without oneDNN) `F.linear` is the fast path.
 
 A packed weight is opaque (no row can be read back), so a tied lm_head, which is also the
 embedding table, is not packed: one copy serves both, laid out by `tied_layout`.
@@ -43,8 +43,8 @@ def tied_layout(embed: torch.Tensor) -> torch.Tensor:
     """The embedding table [vocab, hidden] as the tied lm_head multiplies it fastest unpacked.
 
     Where weights are otherwise packed (CPU fp32), column-major: `F.linear` then runs MKL's
-    plain x @ Wᵀ kernel, measured on the bench machine near the packed speed and several times
-    the row-major one for few rows; an embedding lookup gathers the same values either way.
+    plain x @ Wᵀ kernel, near the packed speed and several times the row-major one for few
+    rows; an embedding lookup gathers the same values either way.
     """
     if can_pack(embed.device, embed.dtype):
         return embed.t().contiguous().t()

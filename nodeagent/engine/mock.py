@@ -44,9 +44,8 @@ POOL_BLOCKS = POOL_BYTES // (PAGE_TOKENS * BYTES_PER_TOKEN)
 MOCK_WINDOW = 4096
 #: Tokens one `on_tokens` call carries when steps are not delayed: one call per step would
 #: cost more than the step itself. As many as one TOKEN_EVENTS carries (`EVENT_TOKENS_MAX`),
-#: so each hand-over to the loop is a frame: against 64-token batches, in two paired runs on
-#: the 2-core machine (`tests/bench/ab_stream.py`, 16 trials each), 1 connection streamed
-#: 1.11-1.12x and 8 together 1.16-1.25x. A batch takes 0.8 ms alone, well inside a cancel's 50 ms.
+#: so each hand-over to the loop is a frame (faster than 64-token batches on 1 and 8
+#: connections: docs/performance.md); a batch still takes well under a cancel's 50 ms.
 DEFAULT_BATCH_TOKENS = 1024
 
 _U64 = (1 << 64) - 1
@@ -78,8 +77,8 @@ class _Stepper:
 
     def take(self, n: int) -> list[int]:
         """The next `n` tokens. The hashing's calls are most of what a mock stream costs the
-        node, so the loop binds what it calls once (a third faster than a call a token) and
-        counts with a range rather than adding and masking (15 % faster again)."""
+        node, so the loop binds what it calls once rather than calling per token, and counts with a
+        range rather than adding and masking."""
         ctx = self._ctx
         copy, extend = ctx.copy, ctx.update
         pack_counter, pack_token = _LE64.pack, _LE32.pack
