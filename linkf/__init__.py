@@ -3,7 +3,7 @@ framed endpoint that runs them over a socket (``driver``, ``secure``) and hands 
 receives as ``Message``s (``message``)."""
 
 from .agent import AgentAction, AgentSession, SelfFence
-from .driver import DEFAULT_LIVENESS, PROTO_VERSION, SUPPORTED_VERSIONS, Endpoint, Gleaned, Liveness
+from .driver import DEFAULT_LIVENESS, PROTO_VERSION, SUPPORTED_VERSIONS, Endpoint, Liveness
 from .errors import Closed, Envelope, Io, LinkFError, Payload, Protocol, TimedOut, Unauthorized
 from .head import HeadSession
 from .message import Message
@@ -16,7 +16,6 @@ __all__ = [
     "DEFAULT_LIVENESS",
     "Endpoint",
     "Envelope",
-    "Gleaned",
     "HeadSession",
     "Io",
     "LinkFError",

@@ -16,9 +16,9 @@ What it receives comes back as ``Message``s, frames whose payloads decode as the
 types on first read (``message.py`` says why not sooner): ``send`` takes a message and ``pump``
 gives messages, so no caller decodes a payload itself.
 
-One thread uses an endpoint at a time; ``shutdown`` may come from another to unblock it,
-``offer`` from another to send a frame that must not wait (an engine's tokens), and ``glean``
-from that one to read the peer's replies without waiting, for the endpoint's own thread.
+One thread uses an endpoint: its connection's own. ``shutdown`` alone may come from another,
+to unblock it; other threads hand that one their output (its ``Waker``) and never touch the
+socket.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import hmac
 import math
 import select
 import socket
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto import postcard
@@ -54,15 +53,6 @@ DEFAULT_POLL = 0.020
 _FOREVER = 3600.0
 _READ = 64 * 1024
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errno.EBADF)
-
-
-@dataclass(frozen=True)
-class Gleaned:
-    """What one ``Endpoint.glean`` read for its caller, and whether the endpoint's own thread
-    must wake for the rest."""
-
-    messages: list[Message]
-    wake: bool
 
 
 @dataclass(frozen=True)
@@ -143,16 +133,8 @@ class Endpoint:
         self._readable = select.poll()
         self._readable.register(self._sock, select.POLLIN)
         self._waker: Waker | None = None
-        #: Held while a frame is written: ``offer`` may send from another thread.
-        self._sending = threading.Lock()
-        #: What the socket did not take of an offered frame; it goes before any other.
-        self._unsent = b""
         #: The waker alone, for a pump whose caller lets the peer's bytes wait (``hear_within``).
         self._wakeable = select.poll()
-        #: Held while the peer's bytes are read and decoded: ``glean`` reads from another thread.
-        self._reading = threading.Lock()
-        #: Why a ``glean`` could not read, for the endpoint's own thread to meet in ``pump``.
-        self._gleaned: LinkFError | None = None
 
     # Construction
 
@@ -245,47 +227,8 @@ class Endpoint:
 
     def send_payload(self, msg_type_: int, payload: bytes) -> None:
         """Sends an already encoded payload as the next frame: for one message many links
-        send alike, encoded once. Waits for a part-written frame (``offer``) to go first."""
-        with self._sending:
-            self._write_unsent()
-            self._write(self._next_frame(msg_type_, payload))
-
-    def offer(self, msg_type_: int, make: Callable[[], object | None]) -> bool:
-        """Sends the message ``make()`` returns without ever waiting, for a thread that must not
-        block (an engine's): False, calling nothing, while another thread is sending or an
-        earlier frame is still part-written; else True, and the frame (if ``make`` returned
-        one, not None) is this endpoint's next. What the socket does not take at once waits
-        for ``write_unsent``, which the endpoint's own thread must run next."""
-        if not self._sending.acquire(blocking=False):
-            return False
-        try:
-            if self._unsent or self._broken is not None:
-                return False
-            msg = make()
-            if msg is None:
-                return True
-            data = self._next_frame(msg_type_, self._encode(msg_type_, msg))
-            try:
-                taken = gil_held.send(self._sock, data)
-            except (BlockingIOError, InterruptedError):
-                taken = 0
-            except (OSError, ValueError) as e:
-                self._broken = self._io_error("sending", e)
-                return True
-            self._unsent = data[taken:]
-            return True
-        finally:
-            self._sending.release()
-
-    @property
-    def unsent(self) -> bool:
-        """Part of an offered frame still waits for ``write_unsent``."""
-        return bool(self._unsent)
-
-    def write_unsent(self) -> None:
-        """Writes what the socket did not take of an offered frame, as ``send`` writes."""
-        with self._sending:
-            self._write_unsent()
+        send alike, encoded once."""
+        self._write(self._next_frame(msg_type_, payload))
 
     def pump(self, timeout: float | None = None, hear_within: float | None = None) -> list[Message]:
         """One read, waiting at most ``timeout`` seconds (None: the poll interval) and less when
@@ -296,11 +239,12 @@ class Endpoint:
         ``hear_within`` (with a waker): the peer's bytes do not wake the wait, which lasts at
         most that long, and are read without waiting once it ends. A loop whose worker wakes it
         often takes the peer's replies in the pass its next output wakes, not in a wake of their
-        own: on a busy machine each thread wake-up is time taken from the engine. What a
-        ``glean`` read comes back first, without a wait."""
-        with self._reading:
-            if self._pending or self._gleaned is not None:
-                return self._take_pending()
+        own: on a busy machine each thread wake-up is time taken from the engine. What the
+        handshake read past its answer comes back first, without a wait."""
+        if self._pending:
+            messages = list(self._pending)
+            self._pending.clear()
+            return messages
         if self._broken is not None:
             raise self._broken
         self._beat()
@@ -309,53 +253,13 @@ class Endpoint:
             readable = self._wait(min(wait, hear_within), self._wakeable)
         else:
             readable = self._wait(wait, self._readable)
-        with self._reading:
-            if readable:
-                self._read()
-            messages = self._received()
-            if self._pending or self._gleaned is not None:  # `glean` read first
-                self._pending.extend(messages)
-                messages = self._take_pending()
+        if readable:
+            self._read()
+        messages = self._received()
         silence = self._liveness.silence
         if not messages and self._v3() and silence > 0 and self.quiet_for() >= silence:
             raise TimedOut(f"nothing heard for {self.quiet_for():.1f} s", peer=self.peer)
         return messages
-
-    def glean(self, take: Collection[int]) -> Gleaned:
-        """Reads what the peer has sent, without waiting: for an engine's thread that has just
-        sent on this endpoint (``offer``), so the peer's replies need no wake-up of the
-        endpoint's own thread. The leading messages whose type is in ``take`` and whose payload
-        decodes come back for the caller to act on; the rest wait, in order, for the next
-        ``pump``, and ``wake`` says that thread should be woken for them (or for the failure
-        the read met, which its next ``pump`` raises after the messages before it). Reads
-        nothing while that thread reads."""
-        if not self._reading.acquire(blocking=False):
-            return Gleaned([], False)
-        try:
-            if self._gleaned is not None:
-                return Gleaned([], False)
-            try:
-                self._read()
-                messages = self._received()
-            except LinkFError as e:
-                self._gleaned = e
-                return Gleaned([], True)
-            lead = 0 if self._pending else _leading(messages, take)
-            self._pending.extend(messages[lead:])
-            return Gleaned(messages[:lead], lead < len(messages))
-        finally:
-            self._reading.release()
-
-    def _take_pending(self) -> list[Message]:
-        """What came before this ``pump`` (``glean``, the handshake's extra frames), then the
-        failure a ``glean`` met, once nothing is left before it. Under ``_reading``."""
-        if self._pending:
-            messages = list(self._pending)
-            self._pending.clear()
-            return messages
-        failure, self._gleaned = self._gleaned, None
-        assert failure is not None
-        raise failure
 
     def wait_messages(self) -> list[Message]:
         """Blocks until at least one message arrives (Rust's ``wait_frames``)."""
@@ -464,7 +368,7 @@ class Endpoint:
         return waiting is not self._readable or any(fd == self._sock.fileno() for fd, _ in ready)
 
     def _read(self) -> None:
-        """Feeds the decoder what one read brings, without waiting. Under ``_reading``."""
+        """Feeds the decoder what one read brings, without waiting."""
         try:
             data = gil_held.recv(self._sock, _READ)
         except (BlockingIOError, InterruptedError):
@@ -494,11 +398,6 @@ class Endpoint:
         if self.recorder is not None:
             self.recorder("sent", frame)
         return data
-
-    def _write_unsent(self) -> None:
-        if self._unsent:
-            data, self._unsent = self._unsent, b""
-            self._write(data)
 
     def _write(self, data: bytes) -> None:
         """Writes all of ``data``, waiting up to the write timeout each time the peer takes
@@ -581,12 +480,3 @@ def _dial(addr: str | tuple[str, int], timeout: float | None) -> socket.socket:
         raise Io(f"connecting to {target[0]}:{target[1]}: {e}") from e
     sock.settimeout(None)
     return sock
-
-
-def _leading(messages: list[Message], types: Collection[int]) -> int:
-    """How many of ``messages`` lead with a type in ``types`` and a payload that decodes; a
-    payload that does not is left for the endpoint's own thread to meet, in its place."""
-    for i, message in enumerate(messages):
-        if message.msg_type not in types or not message.decodes():
-            return i
-    return len(messages)

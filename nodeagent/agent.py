@@ -13,13 +13,9 @@ head's frames (mostly its acknowledgements) do not wake it: they are read in the
 token wakes, or after `HEAD_FRAME_WAIT_S` at most. Each pass does a bounded amount of work, so a
 frame from the head is read within one pass whatever the engine produces.
 
-The torch scheduler sends a step's tokens to the head itself when nothing of the generation
-waits in its outbox, the window has room and no other send is in progress
-(`Connection.send_direct`); else it hands them to the loop as the Rust node's workers did. It never
-waits: what the socket does not take at once is left for the loop to write. After each such
-send it reads what the head sent (`Endpoint.glean`), applies the acknowledgements itself and
-wakes the loop only for the rest, so while a head keeps up the loop sleeps, waking every
-`GLEANED_FRAME_WAIT_S` to make sure the engine still sends.
+Only a connection's own thread touches its socket. The torch scheduler hands each step's
+tokens to the generation's outbox and sets the waker once; the loop sends them in its next
+pass, with what else piled up meanwhile.
 """
 
 from __future__ import annotations
@@ -99,16 +95,6 @@ EVENT_TOKENS_MAX = 1024
 #: stream takes its acks at no wake of their own, and a GENERATE_CANCEL still waits under 50 ms
 #: when steps are slower. The Rust node woke for every frame.
 HEAD_FRAME_WAIT_S = 0.040
-#: How long the head's frames may wait while the engine's thread, sending a generation's tokens
-#: itself, reads them at each send (`Endpoint.glean`), applies the acknowledgements and wakes
-#: the loop for the rest: they wait at most a step then, and this long only once the engine
-#: stops sending without the generation ending; the loop's wake-ups it saves cost the engine's
-#: rate on a small machine (docs/performance.md).
-GLEANED_FRAME_WAIT_S = 0.25
-#: The head's frames the engine's thread acts on itself when it reads them after a send, as the
-#: loop would: an acknowledgement only moves the window, under the shared lock. Left for the
-#: loop, each pass it took for them held the GIL, time taken from the engine's thread.
-_GLEANED_TYPES = frozenset((msg_type.WATERMARK_ACK,))
 #: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
 TRANSFER_WINDOW = 8
 #: Tokens of one generation the head may leave unacknowledged before the loop stops taking its
@@ -193,11 +179,6 @@ class Running:
     stalled_since: int | None = None
     #: When (monotonic s) its last tokens went to the head.
     sent_at: float = -math.inf
-    #: When (monotonic s) the engine's thread last read the head's frames for the loop, having
-    #: sent tokens itself (`send_direct`).
-    gleaned_at: float = -math.inf
-    #: Held while its tokens are taken and sent, by the loop or by the engine's thread.
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
     #: How the node's observers follow it (metrics, the log).
     watch: GenerationWatch = field(default_factory=GenerationWatch)
 
@@ -451,8 +432,6 @@ class Connection:
             self.send_status(endpoint)
         if work.waker is not None:
             work.waker.clear()
-        if endpoint.unsent:
-            endpoint.write_unsent()
         if work.generation is not None and self.forward(endpoint, work.generation):
             self.drop_generation(work)
         if work.stage is not None:
@@ -489,13 +468,12 @@ class Connection:
     @staticmethod
     def hear_within(work: Work) -> float | None:
         """How long the head's frames may wait for the pass the next token wakes: while a
-        generation streams, up to `HEAD_FRAME_WAIT_S` after its last tokens went out, or
-        `GLEANED_FRAME_WAIT_S` after the engine's thread last read them; None (they wake the
-        loop) once it pauses, or waits on the head."""
+        generation streams, up to `HEAD_FRAME_WAIT_S` after its last tokens went out; None
+        (they wake the loop) once it pauses, or waits on the head."""
         run = work.generation
         if run is None or run.stalled_since is not None:
             return None
-        left = max(run.sent_at + HEAD_FRAME_WAIT_S, run.gleaned_at + GLEANED_FRAME_WAIT_S) - time.monotonic()
+        left = run.sent_at + HEAD_FRAME_WAIT_S - time.monotonic()
         return left if left > 0 else None
 
     def tend_leases(self, endpoint: Endpoint, now: int) -> None:
@@ -674,7 +652,7 @@ class Connection:
             generation_id=req.generation_id,
             max_new=min(req.budgets.max_new_tokens, U32_MAX),
             cancel=cancel,
-            out=Outbox(waker, cancel, send=lambda tokens: self.send_direct(endpoint, run, tokens, waker)),
+            out=Outbox(waker, cancel),
             watch=self.node.observer.generation_started(req.session_id, req.generation_id, len(context)),
         )
         job = GenerationJob(context, params, run.max_new, req.budgets.max_wall_ms, cancel, run.out)
@@ -706,38 +684,6 @@ class Connection:
             del self.node.shared.running[id(work.generation)]
         work.generation = None
 
-    def send_direct(self, endpoint: Endpoint, run: Running, tokens: list[int], waker: Waker) -> bool:
-        """On the engine's thread: sends `tokens` to the head at once when nothing of `run`
-        waits before them and the window has room, so the loop need not wake for them; False,
-        sending nothing, when that would wait (the loop is sending) or break their order. The
-        seed's workers handed every token to the loop, which woke once per token. Then reads
-        what the head sent, for the loop, which it wakes only for what is not an
-        acknowledgement."""
-        if not run.send_lock.acquire(blocking=False):
-            return False
-        try:
-            if run.stalled_since is not None or run.out.ready() or self.room(run) < len(tokens):
-                return False
-            fenced = False
-
-            def event() -> TokenEventsMsg | None:
-                nonlocal fenced
-                batch = self.emit_tokens(run, tokens)
-                fenced = batch is None
-                return batch
-
-            if not endpoint.offer(msg_type.TOKEN_EVENTS, event):
-                return False
-        finally:
-            run.send_lock.release()
-        gleaned = endpoint.glean(_GLEANED_TYPES)
-        run.gleaned_at = time.monotonic()
-        if gleaned.messages:
-            self.take_acks(m.msg for m in gleaned.messages)
-        if fenced or endpoint.unsent or gleaned.wake:  # the loop ends the run, writes the rest or answers
-            waker.set()
-        return True
-
     def room(self, run: Running) -> int:
         """How many tokens `run`'s next event may carry: 0 while the head's unacknowledged
         events fill the window."""
@@ -751,10 +697,6 @@ class Connection:
         """Sends what `run` produced since the last pass, at most `EVENT_TOKENS_MAX` tokens, and
         its finish once it ends; takes nothing while the head's unacknowledged events fill the
         window. True once it has ended, or its session was fenced and it goes silent."""
-        with run.send_lock:
-            return self._forward(endpoint, run)
-
-    def _forward(self, endpoint: Endpoint, run: Running) -> bool:
         sh = self.node.shared
         room = self.room(run)
         if room <= 0:

@@ -5,17 +5,14 @@ The worker puts one batch per engine step and blocks while the outbox's slots ar
 loop that falls behind (a head that does not read or does not acknowledge) holds the generation
 back instead of letting its tokens pile up in memory. An engine may ask `behind()` before a step
 and give its lane to another generation while this one cannot move. Every hand-over sets the
-connection's waker, so the loop sleeps in poll(2) until there is something to send.
-
-An engine's `offer` (the torch scheduler's, once a step) may instead send the batch to the head
-itself when nothing waits before it: then the loop need not wake for each token (its `send`).
+connection's waker, so the loop sleeps in poll(2) until there is something to send. An
+engine's own thread, which must never block, `offer`s its batches past the bound instead.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from linkf.waker import Waker
@@ -84,14 +81,10 @@ class Outbox:
         waker: Waker,
         cancel: threading.Event,
         capacity: int = OUTBOX_SLOTS,
-        send: Callable[[list[int]], bool] | None = None,
     ) -> None:
         self._queue = _Batches(maxsize=capacity)
         self._waker = waker
         self._cancel = cancel
-        #: Sends an offered batch to the head at once, on the engine's thread; False when it
-        #: cannot without waiting, and the batch is handed over instead.
-        self._send = send
         #: The loop's side: what `take` pulled beyond its limit, sent first next time.
         self._carry: list[int] = []
         self._released = threading.Event()
@@ -112,8 +105,6 @@ class Outbox:
         here; it looks at `behind` before each step instead); False once cancelled."""
         if self._cancel.is_set():
             return False
-        if self._send is not None and self._send(batch):
-            return True
         self._queue.put_past_bound(batch)
         self._waker.set()
         return True

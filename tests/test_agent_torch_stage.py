@@ -66,27 +66,50 @@ def test_a_stage_the_torch_engine_cannot_run_is_answered_empty(torch_node, token
 
 
 @pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise"])
-def test_tokens_the_engine_sends_itself_arrive_in_order_and_token_exact(start_node, monkeypatch, noise):
-    """The scheduler sends a step's tokens to the head itself when nothing waits before them
-    (`Connection.send_direct`); whether a batch went that way or through the loop, the head
-    reads the greedy tokens in order, on a plain link and a Noise one."""
-    from nodeagent.agent import Connection
+def test_every_send_and_receive_on_a_socket_runs_on_one_thread(start_node, monkeypatch, noise):
+    """The design card's thread shape: the scheduler hands its tokens over and only each
+    connection's own thread touches that connection's socket. Every socket call of the link
+    code is recorded with its thread while two heads stream greedy tokens at once, on a plain
+    link and a Noise one; the tokens are the engine's own."""
+    import threading
 
+    from linkf import gil_held
+
+    threads_of: dict[int, set[str]] = {}
+    sockets: list = []  # held, so that no id is reused while the test runs
+
+    def recorded(name):
+        call = getattr(gil_held, name)
+
+        def wrapper(sock, *args):
+            sockets.append(sock)
+            threads_of.setdefault(id(sock), set()).add(threading.current_thread().name)
+            return call(sock, *args)
+
+        return wrapper
+
+    for name in ("send", "recv"):
+        monkeypatch.setattr(gil_held, name, recorded(name))
     daemon = TorchDaemon(random_model(TINY, 7, torch.float32, torch.device("cpu")), "tiny", max_batch=2, kv_blocks=64)
-    node = start_node(daemon, model="tiny", auth=b"k" * 32 if noise else b"")
-    direct = []
-    send_direct = Connection.send_direct
+    auth = b"k" * 32 if noise else b""
+    node = start_node(daemon, model="tiny", auth=auth)
+    generated = {}
 
-    def counted(self, *args):
-        sent = send_direct(self, *args)
-        direct.append(sent)
-        return sent
+    def stream(i: int) -> None:
+        with FleetHead.connect(node.addr, auth=auth) as head:
+            head.assign(1 + i, GenParams())  # sessions are node-wide: one each
+            head.append(1 + i, PROMPT[i:])
+            generated[i] = head.generate(1 + i, 40).tokens
 
-    monkeypatch.setattr(Connection, "send_direct", counted)
-    with FleetHead.connect(node.addr, auth=b"k" * 32 if noise else b"") as head:
-        head.assign(1, GenParams())
-        head.append(1, PROMPT)
-        generated = head.generate(1, 40).tokens
-    greedy = daemon.generate_tokens_streaming(PROMPT, GenParams(), 40, 0, GenExtras(), lambda b: True).tokens
-    assert generated == greedy and len(greedy) == 40
-    assert any(direct), "the engine's thread sent some tokens itself"
+    heads = [threading.Thread(target=stream, args=(i,), name=f"head-{i}") for i in range(2)]
+    for t in heads:
+        t.start()
+    for t in heads:
+        t.join(60)
+    for i in range(2):
+        want = daemon.generate_tokens_streaming(PROMPT[i:], GenParams(), 40, 0, GenExtras(), lambda b: True).tokens
+        assert generated[i] == want and len(want) == 40
+    assert len(threads_of) >= 4, "two heads' sockets and the node's two"
+    shared = {sock: names for sock, names in threads_of.items() if len(names) > 1}
+    assert shared == {}, "a socket was used from more than one thread"
+    assert not any(name.startswith("torch-scheduler") for names in threads_of.values() for name in names)

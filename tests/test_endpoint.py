@@ -2,12 +2,9 @@
 and Noise. Every blocking step has a timeout, so a bug fails instead of hanging."""
 
 import socket
-import threading
 import time
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from linkpairs import ackf, messages_until, tcp_pair, unix_pair
 from polling import TIMEOUT, background
 
@@ -15,11 +12,9 @@ from linkf import (
     Closed,
     Endpoint,
     Envelope,
-    Gleaned,
     Io,
     LinkFError,
     Liveness,
-    Message,
     Payload,
     Protocol,
     TimedOut,
@@ -27,7 +22,7 @@ from linkf import (
 )
 from proto.envelope import FrameClass
 from proto.handshake import Hello, LinkRole
-from proto.linkf import LeaseRenewMsg, TelemetryMsg, WatermarkAckMsg, msg_type
+from proto.linkf import LeaseRenewMsg, TelemetryMsg, msg_type
 
 
 def handshake(head, node, versions=(2, 3), auth=b"", expected=b""):
@@ -318,170 +313,3 @@ def test_hear_within_lets_the_peer_wait_until_the_waker_or_the_limit_then_reads_
     head.close()
     with pytest.raises(Closed):
         node.pump(TIMEOUT, hear_within=0.1)
-
-
-def frames(ep, n):
-    seen = []
-    while len(seen) < n:
-        seen += ep.pump(TIMEOUT)
-    return seen
-
-
-def test_an_offered_frame_goes_in_order_and_what_the_socket_will_not_take_waits_for_write_unsent():
-    head, node = unix_pair()
-    handshake(head, node)
-    node._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    node.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=1))
-    big = TelemetryMsg(spans=bytes(range(256)) * 2048)  # 512 KiB: more than the socket takes
-    assert node.offer(msg_type.TELEMETRY, lambda: big)
-    assert node.unsent, "the rest waits, and the offering thread did not"
-    assert not node.offer(msg_type.LEASE_RENEW, pytest.fail), "nothing may pass a part-written frame"
-    reading = background(lambda: frames(head, 3))
-    node.write_unsent()
-    node.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))
-    got = reading()
-    assert [m.msg_type for m in got] == [msg_type.LEASE_RENEW, msg_type.TELEMETRY, msg_type.LEASE_RENEW]
-    assert [m.seq for m in got] == [2, 3, 4] and got[1].msg == big
-    assert not node.unsent
-
-
-def test_offer_never_waits_for_a_send_in_progress_and_a_none_sends_nothing():
-    head, node = unix_pair()
-    handshake(head, node)
-    node.write_timeout(TIMEOUT)
-    big = TelemetryMsg(spans=bytes(4 << 20))  # blocks the sender: the head reads nothing yet
-    sending = background(lambda: node.send(msg_type.TELEMETRY, big))
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    assert not node.offer(msg_type.LEASE_RENEW, pytest.fail)
-    assert time.monotonic() - t0 < 0.1
-    reading = background(lambda: messages_until(head, msg_type.TELEMETRY))
-    sending()
-    reading()
-    assert node.offer(msg_type.LEASE_RENEW, lambda: None) and not node.unsent
-    node.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=5, epoch=1))
-    (message,) = messages_until(head, msg_type.LEASE_RENEW)
-    assert message.seq == 3, "a None took no sequence number"
-
-
-ACKS = frozenset((msg_type.WATERMARK_ACK,))
-
-
-def ack(n: int) -> WatermarkAckMsg:
-    return WatermarkAckMsg(session_id=1, epoch=1, generation_id=1, watermark=n)
-
-
-def test_glean_hands_back_the_leading_acknowledgements_and_leaves_the_rest_for_the_pump():
-    """An engine's thread reads the head's replies after its own send (`glean`): it gets the
-    acknowledgements that lead, to apply itself; the first other frame and all after it wait
-    for the loop's next pump, which returns them at once, in order, and asks for the loop to
-    be woken."""
-    head, node = unix_pair()
-    handshake(head, node)
-    assert node.glean(ACKS) == Gleaned([], False), "nothing came"
-    for n in (1, 2, 3):
-        head.send(msg_type.WATERMARK_ACK, ack(n))
-    time.sleep(0.05)
-    gleaned = node.glean(ACKS)
-    assert [m.msg for m in gleaned.messages] == [ack(1), ack(2), ack(3)] and not gleaned.wake
-    assert node.pump(0) == [], "what glean handed back is not handed out again"
-    head.send(msg_type.WATERMARK_ACK, ack(4))
-    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=2))
-    head.send(msg_type.WATERMARK_ACK, ack(5))
-    time.sleep(0.05)
-    gleaned = node.glean(ACKS)
-    assert [m.msg for m in gleaned.messages] == [ack(4)] and gleaned.wake
-    head.send(msg_type.WATERMARK_ACK, ack(6))
-    time.sleep(0.05)
-    assert node.glean(ACKS) == Gleaned([], True), "nothing jumps what waits for the pump"
-    t0 = time.monotonic()
-    got = node.pump(TIMEOUT)
-    assert time.monotonic() - t0 < 0.5, "what glean read comes back without a wait"
-    assert [(m.msg_type, m.seq) for m in got] == [
-        (msg_type.LEASE_RENEW, 6),
-        (msg_type.WATERMARK_ACK, 7),
-        (msg_type.WATERMARK_ACK, 8),
-    ]
-    assert [m.msg for m in got[1:]] == [ack(5), ack(6)]
-
-
-def test_glean_leaves_an_acknowledgement_that_does_not_decode_for_the_pump_to_fail_on():
-    head, node = unix_pair()
-    handshake(head, node)
-    head.send(msg_type.WATERMARK_ACK, ack(1))
-    head.send_payload(msg_type.WATERMARK_ACK, b"\xff")  # a varint that never ends
-    head.send(msg_type.WATERMARK_ACK, ack(2))
-    time.sleep(0.05)
-    gleaned = node.glean(ACKS)
-    assert [m.msg for m in gleaned.messages] == [ack(1)] and gleaned.wake
-    bad, good = node.pump(TIMEOUT)
-    with pytest.raises(Payload):
-        _ = bad.msg
-    assert good.msg == ack(2)
-
-
-def test_a_failure_glean_meets_is_raised_by_the_pump_after_the_frames_before_it():
-    head, node = unix_pair()
-    handshake(head, node)
-    head.send(msg_type.WATERMARK_ACK, ack(1))
-    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=2))
-    head.close()
-    time.sleep(0.05)
-    first, second = node.glean(ACKS), node.glean(ACKS)
-    assert [m.msg for m in first.messages] == [ack(1)] and first.wake, "the acknowledgement, the renewal waits"
-    assert second == Gleaned([], True), "then the peer's close"
-    assert node.glean(ACKS) == Gleaned([], False), "nothing more is read past a failure"
-    assert [m.msg_type for m in node.pump(TIMEOUT)] == [msg_type.LEASE_RENEW]
-    with pytest.raises(Closed):
-        node.pump(TIMEOUT)
-
-
-def test_glean_reads_nothing_while_the_endpoint_s_own_thread_reads():
-    head, node = unix_pair()
-    handshake(head, node)
-    head.send(msg_type.WATERMARK_ACK, ack(1))
-    time.sleep(0.05)
-    with node._reading:  # as a pump holds it while it reads and decodes
-        assert node.glean(ACKS) == Gleaned([], False)
-    (message,) = node.pump(TIMEOUT)
-    assert message.msg == ack(1)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    kinds=st.lists(st.sampled_from([msg_type.WATERMARK_ACK, msg_type.LEASE_RENEW]), min_size=1, max_size=80),
-    pause=st.sampled_from([0.0, 0.0005]),
-)
-def test_frames_read_by_glean_and_pump_together_arrive_once_each_in_order(kinds, pause):
-    """The head's frames while one thread gleans over and over and the loop pumps: each
-    arrives once, whoever read it; glean takes acknowledgements only, and each reader gets its
-    share in the order sent."""
-    head, node = unix_pair()
-    try:
-        handshake(head, node)
-        done = threading.Event()
-        gleaned: list[Message] = []
-
-        def glean_until_done() -> None:
-            while not done.is_set():
-                gleaned.extend(node.glean(ACKS).messages)
-                time.sleep(pause)
-
-        gleaning = background(glean_until_done)
-        for i, kind in enumerate(kinds):
-            head.send(kind, ack(i) if kind == msg_type.WATERMARK_ACK else LeaseRenewMsg(session_id=i, epoch=1))
-        pumped: list[Message] = []
-        deadline = time.monotonic() + TIMEOUT
-        while len(pumped) + len(gleaned) < len(kinds) and time.monotonic() < deadline:
-            pumped += node.pump(0.01)
-        done.set()
-        gleaning()
-        assert all(m.msg_type == msg_type.WATERMARK_ACK for m in gleaned)
-        for share in (gleaned, pumped):
-            assert [m.seq for m in share] == sorted(m.seq for m in share)
-        every = sorted(gleaned + pumped, key=lambda m: m.seq)
-        assert [m.msg_type for m in every] == kinds
-        assert [m.seq for m in every] == list(range(2, 2 + len(kinds)))
-    finally:
-        head.close()
-        node.close()

@@ -511,26 +511,14 @@ def torch_rows(home: Path) -> list[Row]:
     elsewhere on the machine does not decide the figure. Each decode round gives two figures:
     its tokens a second, and the engine's mean decode step (the scheduler's own count, read
     in process or from the node's /metrics), which leaves out the round's prefill and start.
-    The engine here takes the node's own CPU thread count (`reserve_serving_cpu`, one CPU left
-    to the serve loop), so both sides run the same forward.
+    The engine here takes the node's own CPU thread count (`scheduler_threads`), so both
+    sides run the same forward.
 
     What the wire costs the decode here: eight TCP frames a step, one a lane, each sent on
-    loopback (which also runs the receiving side's TCP work on the sender's core), made and
-    sent on the engine's thread with the read of the head's reply (`Connection.send_direct`),
-    and the connection loops' wake-ups, which took 3-6 % of the rate until the engine's thread
-    read the head's replies for them (`Endpoint.glean`). Timed in the node (a wrapper around
-    each call, 10-12 rounds, five runs), a step's eight `send_direct` calls took 730-920 us in
-    all: the first after the forward 340-400 us, the others 43-98 us each. Every part of that
-    first call is slower alike (the kernel's send 90 us against 11, the payload's encoding 51
-    against 7) and its thread is on the CPU throughout: its code and data come back from
-    memory once the forward has been through the caches. (py-spy, sampling at 1-2 kHz, fell
-    behind and put `send_direct` at 1.9 % of the step; these timings make it 4-5 %.) A
-    `send_direct` cut down to the event, its encoding and the send (no window check, metrics,
-    frame object or `offer`) took 0.1 ms a step off the part beside the forward (1.18 to 1.08
-    ms, two paired runs of `ab_decode.py`), and reading the head's replies every other step
-    15 us: what is left is the message itself and the kernel's loopback send and receive.
-    The forward itself runs a few per cent faster or slower in the node than here from one
-    run to the next, which is why the last row leaves it out."""
+    loopback (which also runs the receiving side's TCP work on the sender's core) by its
+    connection's loop, which the step's hand-over wakes once. The forward itself runs a few
+    per cent faster or slower in the node than here from one run to the next, which is why
+    the last row leaves it out."""
     import torch
 
     from nodeagent.engine.torch_engine import TorchDaemon, scheduler_threads
