@@ -182,9 +182,12 @@ class LlamaModel:
             mask &= keys > q - window
         return mask.unsqueeze(1)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head, in fp32 so sampling and argmax see full precision."""
+    def logits(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """Final norm and lm_head, in fp32 so sampling and argmax see full precision. `greedy`:
+        the caller reads only each row's argmax, which an int8 head may find more cheaply."""
         h = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        if isinstance(self.lm_head, Int8Head):
+            return self.lm_head(h, greedy=greedy)
         return self.lm_head(h).float()
 
     def run_causal(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -460,7 +460,7 @@ class Scheduler:
             last = x[:, 0]
         else:
             last = x[torch.arange(len(gens), device=device), torch.tensor(counts, device=device) - 1]
-        return model.logits(last)
+        return model.logits(last, greedy=all(g.sampler.greedy for g in gens))
 
     def _emit(self, gen: Generation, token: int) -> None:
         if token in self.eos:

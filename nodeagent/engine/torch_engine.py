@@ -198,7 +198,7 @@ class TorchDaemon(Daemon):
             x = self._stage_input(tokens, start_layer, hidden_in)
             x = self.model.run_causal(x, start_layer, end_layer)
             if end_layer == n_layers:
-                return StageToken(int(self.model.logits(x[0, -1]).argmax()))
+                return StageToken(int(self.model.logits(x[0, -1], greedy=True).argmax()))
             return StageHidden(x[0].float().cpu().numpy().astype("<f4").tobytes())
 
     def _stage_input(self, tokens: Sequence[int], start: int, hidden_in: bytes | None) -> torch.Tensor:
