@@ -165,7 +165,7 @@ def test_the_scheduler_thread_takes_its_own_thread_count():
     model = builtin_model(torch.float32, CPU)
     seen = []
     logits = model.logits
-    model.logits = lambda x: seen.append(torch.get_num_threads()) or logits(x)
+    model.logits = lambda x, greedy=False: seen.append(torch.get_num_threads()) or logits(x, greedy)
     daemon = TorchDaemon(model, "builtin", max_batch=1, kv_blocks=64, threads=1)
     try:
         assert len(generate(daemon, [1, 2, 3], 2)) == 2
