@@ -49,11 +49,3 @@ class Message(Frame):
             except PostcardError as e:
                 raise Payload(f"{type_name(t)} (0x{t:04x}): {e}", peer=self.peer) from e
         return msg
-
-    def decodes(self) -> bool:
-        """Whether ``msg`` decodes (it is then decoded once, for good)."""
-        try:
-            _ = self.msg
-        except Payload:
-            return False
-        return True

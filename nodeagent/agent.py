@@ -26,7 +26,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from linkf.agent import AgentSession, SelfFence
@@ -589,16 +589,10 @@ class Connection:
             busy = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=None)
             endpoint.send(msg_type.STAGE_FORWARD_RESP, busy)
 
-    def on_watermark_ack(self, endpoint: Endpoint, m, work: Work) -> None:
-        self.take_acks((m,))
-
-    def take_acks(self, acks: Iterable[WatermarkAckMsg]) -> None:
-        """Drops what the head has committed from the retry buffers, on the loop's thread or
-        the engine's."""
-        sh = self.node.shared
-        with sh.lock:
-            for ack in acks:
-                sh.agent.on_watermark_ack(ack)
+    def on_watermark_ack(self, endpoint: Endpoint, m: WatermarkAckMsg, work: Work) -> None:
+        """Drops what the head has committed from the retry buffers."""
+        with self.node.shared.lock:
+            self.node.shared.agent.on_watermark_ack(m)
 
     def on_lease_grant(self, endpoint: Endpoint, m, work: Work) -> None:
         with self.node.shared.lock:

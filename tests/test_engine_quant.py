@@ -19,10 +19,11 @@ from nodeagent.daemon import GenExtras, ModelLoadError
 from nodeagent.engine import quant
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
+from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.gguf_file import load_gguf, projection_bits
 from nodeagent.engine.linear import Linear
 from nodeagent.engine.model import LlamaModel
-from nodeagent.engine.quant import WeightFormat, WeightFormatError, choose_format
+from nodeagent.engine.quant import WeightFormatError, choose_format
 from nodeagent.engine.torch_engine import TorchDaemon
 from proto.params import GenParams
 

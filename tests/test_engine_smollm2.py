@@ -108,8 +108,9 @@ def all_logits(model, tokens):
 def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, fmt):
     import torch
 
+    from nodeagent.engine.choices import WeightFormat
     from nodeagent.engine.gguf_file import load_gguf
-    from nodeagent.engine.quant import WeightFormat, kernel_speedups
+    from nodeagent.engine.quant import kernel_speedups
 
     if WeightFormat(fmt) not in kernel_speedups():
         pytest.skip(f"this torch has no working {fmt} CPU kernel")

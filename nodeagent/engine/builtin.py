@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.loader import checked
 from nodeagent.engine.model import LlamaModel, ModelConfig
-from nodeagent.engine.quant import WeightFormat
 
 BUILTIN_NAME = "builtin"
 CPU = torch.device("cpu")

@@ -1,8 +1,20 @@
 """What the command line may ask of the engines, kept apart from them so that reading it
 imports no engine (and no torch)."""
 
+import enum
+
 RUNTIMES = ("mock", "torch")
 #: `--dtype` choices for the torch engine; auto is bf16 on CUDA and fp32 on CPU.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: `--weights` choices: how the torch engine holds its projections (see engine/quant.py).
-WEIGHTS = ("auto", "float", "int8", "int4")
+
+
+class WeightFormat(enum.StrEnum):
+    """`--weights`: how the torch engine holds its projections (see engine/quant.py)."""
+
+    AUTO = "auto"
+    FLOAT = "float"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+WEIGHTS = tuple(WeightFormat)

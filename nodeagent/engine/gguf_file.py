@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from nodeagent.daemon import ModelLoadError
+from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.loader import Progress, check_config, checked, refuse_unused
 from nodeagent.engine.model import LlamaModel, ModelConfig
-from nodeagent.engine.quant import WeightFormat
 from nodeagent.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_header
 
 #: GGUF architectures whose tensors and maths are our decoder's, and whether llama.cpp's

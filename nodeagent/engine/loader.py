@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from nodeagent.daemon import ModelLoadError
+from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.model import LlamaModel, ModelConfig
-from nodeagent.engine.quant import WeightFormat
 from nodeagent.engine.rope import RopeScalingError, inv_frequencies
 
 INDEX_FILE = "model.safetensors.index.json"

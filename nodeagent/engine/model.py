@@ -2,8 +2,9 @@
 
 Weights are held the way decode is fastest, not the way checkpoints store them: fused (q/k/v
 as one projection, gate/up as one), in the device's fastest matmul layout (`Linear`) or kept
-quantized (`quant`), and q/k rows reordered so rotary positions are one complex multiply. Attention is a callback so the
-same layers serve the scheduler's paged KV pool and the cache-free stage forward.
+quantized (`quant`), and q/k rows reordered so rotary positions are one complex multiply.
+Attention is a callback so the same layers serve the scheduler's paged KV pool and the
+cache-free stage forward.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear, tied_layout
-from nodeagent.engine.quant import Int8Embedding, Int8Head, Int8Linear, WeightFormat, quantized_linear
+from nodeagent.engine.quant import Int8Embedding, Int8Head, Int8Linear, quantized_linear
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table, rotate_in_place
 
 

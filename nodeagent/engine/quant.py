@@ -20,7 +20,6 @@ each against float on this machine before it picks one (`kernel_speedups`).
 
 from __future__ import annotations
 
-import enum
 import functools
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear
 
 INT4_GROUP = 32
@@ -38,15 +38,6 @@ INT8_COLUMN_MULTIPLE = 16
 #: `auto` takes a quantized kernel only when it runs the probe in at most this share of float's
 #: time: the margin keeps measurement noise from picking a kernel that is no faster.
 AUTO_MAX_TIME_SHARE = 0.8
-
-
-class WeightFormat(enum.StrEnum):
-    """`--weights`: how the projections' weights are held in memory."""
-
-    AUTO = "auto"
-    FLOAT = "float"
-    INT8 = "int8"
-    INT4 = "int4"
 
 
 class WeightFormatError(Exception):
@@ -199,8 +190,8 @@ class Int4Linear:
         codes, scale, zero = int4_groups(weight.float())
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
         # The kernel's layout: [groups, rows, (scale, zero)], w = (code - 8) * scale + zero.
-        self.scales_and_zeros = torch.stack([scale, zero + 8 * scale], -1).transpose(0, 1).contiguous()
-        self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+        pairs = torch.stack([scale, zero + 8 * scale], -1).transpose(0, 1)
+        self.scales_and_zeros = pairs.contiguous().to(torch.bfloat16)
         self.bias = bias
         self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2 + _bytes(bias)
 

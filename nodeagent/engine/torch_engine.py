@@ -37,12 +37,12 @@ from nodeagent.daemon import (
     check_stream,
 )
 from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
-from nodeagent.engine.choices import DTYPES
+from nodeagent.engine.choices import DTYPES, WEIGHTS, WeightFormat
 from nodeagent.engine.gguf_file import load_gguf, projection_bits
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.loader import load_model
 from nodeagent.engine.model import LlamaModel
-from nodeagent.engine.quant import Quantization, WeightFormat, WeightFormatError, choose_format
+from nodeagent.engine.quant import Quantization, WeightFormatError, choose_format
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
 from nodeagent.heap import return_free_memory
@@ -124,8 +124,8 @@ class TorchDaemon(Daemon):
         floats = _resolve_dtype(dtype, dev)
         try:
             path, name = _resolve_model(model)
-            if weights not in {f.value for f in WeightFormat}:
-                raise ModelLoadError(f"unknown weights format {weights!r}; expected one of {', '.join(WeightFormat)}")
+            if weights not in WEIGHTS:
+                raise ModelLoadError(f"unknown weights format {weights!r}; expected one of {', '.join(WEIGHTS)}")
             quantization = choose_format(WeightFormat(weights), dev, _file_bits(path))
             if path == BUILTIN_NAME:
                 loaded = builtin_model(floats, dev, quantization.format)
