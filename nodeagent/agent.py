@@ -38,6 +38,7 @@ from nodeagent.daemon import (
     ConstraintError,
     Daemon,
     DaemonError,
+    EngineFault,
     GenerationError,
     GenerationResult,
     GenExtras,
@@ -718,6 +719,12 @@ class Connection:
         """The reason `run` ended with; raises the daemon's error when it is not the head's."""
         if generated is None:
             raise GenerationError("the generation ended without a result")
+        if isinstance(generated, EngineFault):
+            log.warning(
+                "the engine failed a generation; ending it with Finish(ERROR) so the head retries elsewhere",
+                extra=_fields(session=run.session_id, generation=run.generation_id, error=generated),
+            )
+            return finish.ERROR
         if isinstance(generated, DaemonError):
             if not is_client_refusal(generated):
                 raise generated

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from linkf.driver import split_address
 from linkf.secure import ASCII_WHITESPACE, read_token
-from nodeagent import logs
+from nodeagent import failpoints, logs
 from nodeagent.agent import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT
 from nodeagent.daemon import MIN_CONTEXT
-from nodeagent.engine.choices import DTYPES, RUNTIMES, WEIGHTS
+from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, RUNTIMES, WEIGHTS
 from nodeagent.engine.mock import MOCK_WINDOW
+from nodeagent.failpoints import Failpoints, FailpointSpecError
 from proto.models import ALIASES, is_gguf
 
 PROGRAM = "superfluid-noded"
@@ -38,7 +39,7 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
 [--write-timeout-ms N] \
 [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--weights auto|float|int8|int4] \
-[--kv-budget-mb N] \
+[--kv-budget-mb N] [--engine-stall-timeout-ms N] \
 [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
 [--session-retention-ms N]
@@ -57,6 +58,9 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --weights (torch) defaults to auto: a quantized GGUF file stays quantized on the CPU (int4 or
  int8, whichever this CPU runs faster than float), anything else is float; int8 and int4
  quantize any checkpoint at load; the serving line says what was chosen and why.
+ --engine-stall-timeout-ms (torch, default {DEFAULT_STALL_TIMEOUT_MS}) marks the engine stalled
+ when one step runs longer: its generations end with an error and /health answers 503 until it
+ returns (0: no watchdog).
  --max-context defaults to 4096 for the mock and to what the device holds for torch, at least
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
  SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests;
@@ -74,9 +78,10 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
 
 Environment: SUPERFLUID_HOME (default ~/.superfluid: the fleet token lives in fleet/token),
 SUPERFLUID_NODE_NAME (the identity when --identity is not given), SUPERFLUID_LOG, else
-RUST_LOG (log filter: `info`, `warn,nodeagent=debug`, `off`; default info).
-Exit codes: 0 drained, 1 unreadable token file or port in use, 2 usage or refused token,
-3 model load."""
+RUST_LOG (log filter: `info`, `warn,nodeagent=debug`, `off`; default info),
+SUPERFLUID_FAILPOINTS (faults for tests: docs/hardening.md).
+Exit codes: 0 drained, 1 unreadable token file or port in use, 2 usage, refused token or
+malformed SUPERFLUID_FAILPOINTS, 3 model load, 4 the engine failed while serving."""
 
 log = logging.getLogger("nodeagent.cli")
 
@@ -126,6 +131,7 @@ class Options:
     dtype: str = "auto"
     weights: str = "auto"
     kv_budget_mb: int | None = None
+    engine_stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS
     drain_timeout_ms: int = 30_000
     token_delay_ms: int = 0
     #: --record: each connection's frames go to a transcript file in this directory.
@@ -218,6 +224,7 @@ FLAGS = {
     "--dtype": ("dtype", _dtype),
     "--weights": ("weights", _weights),
     "--kv-budget-mb": ("kv_budget_mb", _count),
+    "--engine-stall-timeout-ms": ("engine_stall_timeout_ms", _count),
     "--drain-timeout-ms": ("drain_timeout_ms", _count),
     "--token-delay-ms": ("token_delay_ms", _count),
     "--record": ("record", str),
@@ -412,8 +419,11 @@ def pick_runtime(opts: Options) -> str:
 
 
 def load(opts: Options, runtime: str):
-    """The daemon to serve from; Exit(3) with the reason when it will not load."""
+    """The daemon to serve from; Exit(3) with the reason when it will not load, Exit(2) when
+    SUPERFLUID_FAILPOINTS does not parse."""
     from nodeagent.engine import open_engine
+
+    faults = armed_failpoints()
 
     max_context: int | None
     if runtime == "mock":
@@ -437,10 +447,23 @@ def load(opts: Options, runtime: str):
             max_context=max_context,
             kv_budget_mb=opts.kv_budget_mb,
             token_delay_s=opts.token_delay_ms / 1000,
+            stall_timeout_ms=opts.engine_stall_timeout_ms,
+            faults=faults,
         )
     except Exception as e:  # noqa: BLE001 - whatever stops the load, the node cannot serve
         log.debug("model load failed", exc_info=True)
         raise Exit(3, f"model load failed: {e}") from None
+
+
+def armed_failpoints() -> Failpoints | None:
+    """SUPERFLUID_FAILPOINTS, said in the log when set; Exit(2) when it does not parse."""
+    try:
+        faults = failpoints.from_env()
+    except FailpointSpecError as e:
+        raise Exit(2, str(e)) from None
+    if faults is not None:
+        log.warning(f"failpoints armed, for tests only: {faults}")
+    return faults
 
 
 def start_metrics(opts: Options):
@@ -457,7 +480,7 @@ def start_metrics(opts: Options):
     except OSError as e:
         raise Exit(1, f"bind {opts.metrics_listen} failed: {_os_error(e)}") from None
     server.start()
-    say(f"metrics at http://{show_addr(server.address())}/metrics, health at /health")
+    say(f"metrics at http://{show_addr(server.address())}/metrics, health at /health, readiness at /ready")
     return metrics
 
 

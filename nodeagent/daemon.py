@@ -11,6 +11,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from proto.params import GenParams
@@ -49,6 +50,11 @@ class ConstraintError(DaemonError):
 
 class GenerationError(DaemonError):
     """The generation failed for a reason of the node's own."""
+
+
+class EngineFault(GenerationError):
+    """The engine failed the generation (a step raised, stalled or ran out of memory, or the
+    scheduler died): the head gets Finish(ERROR) and may retry elsewhere."""
 
 
 class StageError(DaemonError):
@@ -151,6 +157,16 @@ class SchedStats:
     pool_blocks_total: int = 0
 
 
+class EngineHealth(StrEnum):
+    """Whether the engine makes progress: `/health` and `/ready` answer 503 unless OK."""
+
+    OK = "ok"
+    #: A step has run past the stall timeout; it may still return.
+    STALLED = "engine stalled"
+    #: The scheduler thread died; the node exits.
+    FAILED = "engine failed"
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """The accelerator's memory in bytes, for the capacity a head places by; 0 = none or
@@ -215,6 +231,10 @@ class Daemon(abc.ABC):
     def device_memory(self) -> DeviceMemory:
         """The memory of the device the model runs on; none for an engine off any accelerator."""
         return DeviceMemory()
+
+    def health(self) -> EngineHealth:
+        """Whether the engine makes progress; an engine with no thread of its own always does."""
+        return EngineHealth.OK
 
     def close(self) -> None:  # noqa: B027 - an engine with no threads has nothing to stop
         """Stop background threads; generations still running end CANCELLED."""

@@ -98,7 +98,7 @@ def run_join(opts: Options) -> int:
     node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
     node.catch_signals()
     joiner = Joiner(node, head, token, node.observer)
-    node.observer.node_state("serving")
+    node.started()
     return joiner.run(opts.max_batch)
 
 
@@ -146,7 +146,7 @@ class Joiner:
                 target=self._keep_dialing, args=(lane == 0,), name=f"node-lane {lane}", daemon=True
             ).start()
         while self.exit_code is None and not self.node.wait_for_stop(0.1):
-            pass
+            self.node.watch_engine()
         self._over.set()
         if self.exit_code is not None:
             say(REFUSED)

@@ -1,4 +1,4 @@
-"""`--metrics-listen`: Prometheus text at `/metrics` and a health check at `/health`.
+"""`--metrics-listen`: Prometheus text at `/metrics`, liveness at `/health`, readiness at `/ready`.
 
 Names follow the vLLM / SGLang vocabulary (lanes running, generations queued, KV blocks,
 prompt and generation tokens, time to first token, inter-token latency) with a
@@ -7,8 +7,11 @@ What the scheduler already counts (lanes, queues, KV blocks) is read from the en
 time; what only the serve loop sees (tokens sent, finishes, connections, sessions) is counted
 as it happens, through the `NodeObserver` events.
 
-`/health` is 200 while the node serves and 503 while it loads its model or drains, so a load
-balancer or an orchestrator stops sending work as soon as a drain starts.
+Kubernetes' two questions, apart. `/health` (liveness: should the process be restarted?) is 503
+only when the engine makes no progress: a step stalled past its timeout, or a dead scheduler; a
+node loading, draining or merely busy is alive. `/ready` (readiness: should work come here?) is
+200 only while the node serves with a working engine, so a load balancer stops sending work as
+soon as a drain starts.
 
 prometheus-client is the reference exposition library: it gets the text format, escaping and
 histogram buckets right, which a hand-rolled writer would have to re-learn.
@@ -25,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from nodeagent.daemon import Daemon
+from nodeagent.daemon import Daemon, EngineHealth
 from nodeagent.observe import REFUSAL_REASONS, GenerationWatch, NodeObserver, finish_name
 
 PREFIX = "superfluid_node_"
@@ -34,7 +37,7 @@ QOS_NAMES = ("chat", "completion", "agent", "background")
 #: Seconds; vLLM's time-to-first-token buckets cut to what a node sees.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
-HEALTHY = "serving"
+SERVING = "serving"
 
 # The `_created` series double every counter's lines and no dashboard of vLLM's kind reads them.
 disable_created_metrics()
@@ -99,6 +102,19 @@ class NodeMetrics(NodeObserver):
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def engine_health(self) -> EngineHealth:
+        return EngineHealth.OK if self.daemon is None else self.daemon.health()
+
+    def liveness(self) -> tuple[bool, str]:
+        """`/health`: whether the node makes progress, and what it is doing."""
+        engine = self.engine_health()
+        return (True, self.state) if engine == EngineHealth.OK else (False, engine.value)
+
+    def readiness(self) -> tuple[bool, str]:
+        """`/ready`: whether the node takes work now, or why not."""
+        alive, why = self.liveness()
+        return (alive and self.state == SERVING), why
 
     # ---- NodeObserver ------------------------------------------------------------------------
 
@@ -198,6 +214,11 @@ class _EngineCollector:
         yield _gauge("kv_blocks_used", "KV pool blocks in use (16 tokens each)", stats.pool_blocks_used)
         yield _gauge("kv_blocks_total", "KV pool blocks in all", stats.pool_blocks_total)
         yield _gauge("context_window_tokens", "The context window", daemon.max_stream_tokens())
+        yield _gauge(
+            "engine_stalled",
+            "1 while an engine step has run past --engine-stall-timeout-ms",
+            daemon.health() == EngineHealth.STALLED,
+        )
         yield SummaryMetricFamily(
             PREFIX + "decode_step_seconds",
             "Batched decode steps of the engine and the wall time they took",
@@ -217,7 +238,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class MetricsServer:
-    """The HTTP side: `/metrics` and `/health` on threads of their own, apart from Link F."""
+    """The HTTP side: `/metrics`, `/health` and `/ready` on threads of their own, apart from Link F."""
 
     def __init__(self, metrics: NodeMetrics, family: int, sock_addr: tuple) -> None:
         """Binds `sock_addr` (of address `family`) at once: a port in use fails here, before
@@ -257,10 +278,14 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._answer(200, CONTENT_TYPE_LATEST, self.metrics.exposition())
         elif path == "/health":
-            state = self.metrics.state
-            self._answer(200 if state == HEALTHY else 503, "text/plain; charset=utf-8", f"{state}\n".encode())
+            self._probe(*self.metrics.liveness())
+        elif path == "/ready":
+            self._probe(*self.metrics.readiness())
         else:
-            self._answer(404, "text/plain; charset=utf-8", b"not found: try /metrics or /health\n")
+            self._answer(404, "text/plain; charset=utf-8", b"not found: try /metrics, /health or /ready\n")
+
+    def _probe(self, ok: bool, why: str) -> None:
+        self._answer(200 if ok else 503, "text/plain; charset=utf-8", f"{why}\n".encode())
 
     def _answer(self, status: int, content_type: str, body: bytes) -> None:
         self.send_response(status)

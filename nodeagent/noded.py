@@ -40,9 +40,10 @@ from nodeagent.cli import (
     show_addr,
     start_metrics,
 )
-from nodeagent.daemon import Daemon, DaemonError
+from nodeagent.daemon import Daemon, DaemonError, EngineHealth
 from nodeagent.heap import return_free_memory
 from nodeagent.observe import Observers
+from nodeagent.sdnotify import READY, STOPPING, WATCHDOG, notify
 
 log = logging.getLogger("nodeagent.noded")
 
@@ -63,6 +64,9 @@ LISTEN_BACKLOG = socket.SOMAXCONN
 #: How long a drain that ran out of time waits for the generations it stopped to send their
 #: Finish.
 STOP_GRACE_S = 3.0
+
+#: The exit code of a node whose engine failed (its scheduler died): a supervisor restarts it.
+ENGINE_FAILED_EXIT = 4
 
 #: Told, once a connection is over (its socket closed, its slot free), the peer and None or the
 #: error its serve raised: the error itself, where the observers get only a reason to show.
@@ -103,6 +107,8 @@ class Node:
         self.on_connection_end = on_connection_end
         self._signals = 0
         self._stop = threading.Event()
+        #: The engine failed while serving: the node stops, and exits ENGINE_FAILED_EXIT.
+        self.engine_failed = False
         #: The connections' threads, the finished ones pruned at each accept; `close` joins them.
         self._threads: list[threading.Thread] = []
 
@@ -129,11 +135,26 @@ class Node:
                 # Out of memory while taking a connection: that one is lost, the node stays.
                 say("out of memory while taking a connection; it is closed")
                 time.sleep(POLL_S)
+            self.watch_engine()
             if time.monotonic() - swept >= SWEEP_S:
                 self.agent.fence(self.agent.now_ms())
                 return_free_memory()
                 swept = time.monotonic()
 
+    def started(self) -> None:
+        """The node serves: /ready and systemd hear of it."""
+        self.observer.node_state("serving")
+        notify(READY)
+
+    def watch_engine(self) -> None:
+        """Tells systemd's watchdog the engine makes progress; once it has failed, stops the
+        node, whose drain then exits ENGINE_FAILED_EXIT. Call it every `POLL_S` or so."""
+        health = self.daemon.health()
+        if health == EngineHealth.OK:
+            notify(WATCHDOG)
+        elif health == EngineHealth.FAILED and not self.engine_failed:
+            self.engine_failed = True
+            self.stop()
     def stop(self) -> None:
         """Asks the node to stop accepting, as a first SIGTERM does (for a node run in-process)."""
         self._stop.set()
@@ -285,6 +306,9 @@ class Node:
     def drain(self) -> int:
         """Waits, up to the drain timeout or a second signal, for running generations to finish."""
         self.observer.node_state("draining")
+        notify(STOPPING)
+        if self.engine_failed:
+            return self._exit_failed()
         running = self.agent.running_generations()
         say(f"draining: no new connections; {running} generation(s) running, waiting up to {self.drain_s:g} s")
         deadline = time.monotonic() + self.drain_s
@@ -300,6 +324,18 @@ class Node:
         self.daemon.close()
         say("drained; exiting")
         return 0
+
+    def _exit_failed(self) -> int:
+        """The engine died and has ended every generation with an error: waits up to
+        `STOP_GRACE_S` for their Finish to leave, then ENGINE_FAILED_EXIT."""
+        running = self.agent.running_generations()
+        say(f"the engine failed; no new connections; ending {running} generation(s) with an error")
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.agent.running_generations() and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
+        self.daemon.close()
+        say(f"exiting {ENGINE_FAILED_EXIT}: the engine failed")
+        return ENGINE_FAILED_EXIT
 
 
 def _hang_up(sock: socket.socket) -> None:
@@ -329,7 +365,7 @@ def run_listen(opts: Options) -> int:
         listener.listen(LISTEN_BACKLOG)
         node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
         node.catch_signals()
-        node.observer.node_state("serving")  # before the line that says so: /health agrees with it
+        node.started()  # before the line that says so: /ready agrees with it
         say(
             f"node '{node.identity}' serving '{node.model_name}' on "
             f"{show_addr(listener.getsockname())} (Link F/TCP)"

@@ -19,7 +19,7 @@ from linkf.errors import LinkFError
 from proto import finish
 
 MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock", "--metrics-listen", "127.0.0.1:0")
-METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health$"
+METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health, readiness at /ready$"
 PROMPT = list(range(100, 130))
 
 
@@ -42,9 +42,9 @@ def value(samples, name: str, **labels) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def health(addr: str) -> tuple[int, str]:
+def health(addr: str, path: str = "/health") -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(f"http://{addr}/health", timeout=5) as answer:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as answer:
             return answer.status, answer.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -54,6 +54,7 @@ def test_counters_move_by_what_the_generations_did(noded):
     node = noded(*MOCK, "--token-delay-ms", "20")
     addr = metrics_addr(node)
     assert health(addr) == (200, "serving\n")
+    assert health(addr, "/ready") == (200, "serving\n")
     before = scrape(addr)
     assert value(before, "superfluid_node_generation_tokens_total") == 0
     assert value(before, "superfluid_node_kv_blocks_total") > 0
@@ -117,7 +118,7 @@ def test_refused_handshakes_are_counted_by_reason(noded, tmp_path):
     assert value(samples, "superfluid_node_sessions_held") == 1, "a session outlives its connection"
 
 
-def test_health_is_503_while_the_node_drains(noded):
+def test_the_node_is_not_ready_but_alive_while_it_drains(noded):
     node = noded(*MOCK, "--token-delay-ms", "20")
     addr = metrics_addr(node)
     with FleetHead.connect(node.addr) as head:
@@ -127,7 +128,8 @@ def test_health_is_503_while_the_node_drains(noded):
         head.until(lambda: head.generations.get((1, req.generation_id)), 5, "the first tokens")
         node.proc.send_signal(signal.SIGTERM)
         node.wait_line("draining")
-        assert health(addr) == (503, "draining\n")
+        assert health(addr, "/ready") == (503, "draining\n")
+        assert health(addr) == (200, "draining\n")
         assert value(scrape(addr), "superfluid_node_generations_running") == 1, "metrics still answer"
         assert head.collect(req).finish == finish.LENGTH
     assert node.wait() == 0

@@ -12,6 +12,7 @@ import pytest
 from polling import wait_until
 
 from proto import finish
+from nodeagent.daemon import EngineHealth
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.metrics import MetricsServer, NodeMetrics
 from nodeagent.observe import Observers
@@ -35,14 +36,43 @@ def get(addr: str, path: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-def test_health_follows_the_node_state(served):
+def test_readiness_follows_the_node_state_and_liveness_does_not(served):
     metrics, addr = served
-    assert get(addr, "/health") == (503, "loading\n")
+    assert get(addr, "/health") == (200, "loading\n")
+    assert get(addr, "/ready") == (503, "loading\n")
     metrics.node_state("serving")
     assert get(addr, "/health") == (200, "serving\n")
+    assert get(addr, "/ready") == (200, "serving\n")
     metrics.node_state("draining")
-    assert get(addr, "/health") == (503, "draining\n")
+    assert get(addr, "/health") == (200, "draining\n")
+    assert get(addr, "/ready") == (503, "draining\n")
     assert get(addr, "/nope")[0] == 404
+
+
+class _Engine(MockDaemon):
+    """A mock whose health the test sets."""
+
+    state = EngineHealth.OK
+
+    def health(self) -> EngineHealth:
+        return self.state
+
+
+@pytest.mark.parametrize("state", [EngineHealth.STALLED, EngineHealth.FAILED])
+def test_an_engine_that_makes_no_progress_fails_both_probes_and_recovers(served, state):
+    metrics, addr = served
+    engine = _Engine()
+    metrics.serve_engine(engine, 8, "mock")
+    metrics.node_state("serving")
+    engine.state = state
+    assert get(addr, "/health") == (503, f"{state.value}\n")
+    assert get(addr, "/ready") == (503, f"{state.value}\n")
+    stalled = f"superfluid_node_engine_stalled {1.0 if state == EngineHealth.STALLED else 0.0}"
+    assert stalled in get(addr, "/metrics")[1]
+    engine.state = EngineHealth.OK
+    assert get(addr, "/health") == (200, "serving\n")
+    assert get(addr, "/ready") == (200, "serving\n")
+    assert "superfluid_node_engine_stalled 0.0" in get(addr, "/metrics")[1]
 
 
 def test_engine_figures_appear_once_an_engine_is_served(served):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from nodeagent.daemon import Daemon
-from nodeagent.engine.choices import RUNTIMES
+from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, RUNTIMES
+from nodeagent.failpoints import Failpoints
 
 
 def open_engine(
@@ -18,10 +19,13 @@ def open_engine(
     dtype: str = "auto",
     weights: str = "auto",
     threads: int | None = None,
+    stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
+    faults: Failpoints | None = None,
 ) -> Daemon:
     """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
 
-    `token_delay_s` slows the mock's every step, so tests can hold a generation open.
+    `token_delay_s` slows the mock's every step, so tests can hold a generation open. The
+    stall timeout and the failpoints are the torch engine's: the mock has no scheduler thread.
     """
     if runtime == "mock":
         from nodeagent.engine.mock import MOCK_WINDOW, MockDaemon
@@ -41,5 +45,7 @@ def open_engine(
             dtype=dtype,
             weights=weights,
             threads=threads,
+            stall_timeout_ms=stall_timeout_ms,
+            faults=faults,
         )
     raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")

@@ -18,3 +18,7 @@ class WeightFormat(enum.StrEnum):
 
 
 WEIGHTS = tuple(WeightFormat)
+#: `--engine-stall-timeout-ms`: a step running longer than this while work waits marks the torch
+#: engine stalled. Far above any healthy step (a full prefill chunk of a 7B model on a CPU takes
+#: seconds), well within what a supervisor's liveness probe waits.
+DEFAULT_STALL_TIMEOUT_MS = 30_000

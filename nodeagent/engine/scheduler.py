@@ -12,6 +12,12 @@ back (the full ones stay cached), it waits at the front of its QoS queue, and wh
 again it recomputes its prompt and the tokens it already produced, then goes on; its caller
 just sees the tokens come later. A queued generation may also preempt lanes of a lower QoS
 class to get its blocks, so the classes order who waits.
+
+Faults stay with the generations they touch. A step that raises fails its own generations
+(`EngineFault`: the head gets Finish(ERROR)); one out of memory first preempts lanes and runs
+again with fewer. A watchdog thread marks the engine stalled when one iteration outlives the
+stall timeout: every generation it holds ends at once, new ones are refused until it returns.
+If the thread itself dies, every generation ends and the engine stays failed.
 """
 
 from __future__ import annotations
@@ -23,14 +29,17 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from nodeagent.daemon import QOS_CLASSES, Consumer, GenerationError, SchedStats
+from nodeagent import failpoints
+from nodeagent.daemon import QOS_CLASSES, Consumer, EngineFault, EngineHealth, SchedStats
+from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
 from nodeagent.engine.model import LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
+from nodeagent.failpoints import Action, Failpoints, InjectedFault
 from proto import finish
 
 #: Prompt tokens one step prefills at most, across the lanes prefilling in it.
@@ -54,6 +63,30 @@ IDLE_WAIT_S = 0.005
 #: costs the held generation a recompute of its whole context when it resumes, which a head
 #: that only paused (a busy loop, a slow scrape) should not pay.
 HELD_YIELD_S = 0.5
+#: How often the watchdog looks at the scheduler (at most; a quarter of a short stall timeout).
+WATCH_PERIOD_S = 0.25
+#: Decode steps without running out of memory after which the lane cap an out-of-memory step
+#: set grows by one lane again.
+OOM_CALM_STEPS = 64
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What the scheduler thread is doing, for the watchdog and its log line."""
+
+    kind: str
+    lanes: int
+    since: float
+
+    def describe(self, now: float) -> str:
+        return f"a {self.kind} over {self.lanes} lane(s), running for {now - self.since:.1f} s"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA's out-of-memory error, or the CPU allocator's (a plain RuntimeError)."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
 
 
 class Generation:
@@ -82,6 +115,9 @@ class Generation:
         self.refused = False
         #: Since when (monotonic s) its running lane has been held back; None while it moves.
         self.held_since: float | None = None
+        #: The watchdog ended it while its step was stalled: the step's tokens are not handed
+        #: over should it return, and its lane is freed at the next iteration.
+        self.abandoned = False
         self.out: queue.Queue = queue.Queue()
         self.cancelled = False
         self.state = QUEUED
@@ -161,7 +197,10 @@ class Scheduler:
         prefill_chunk: int = PREFILL_CHUNK,
         prefix_cache: bool = True,
         threads: int | None = None,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_MS / 1000,
+        faults: Failpoints | None = None,
     ):
+        """`stall_timeout_s` 0 runs no watchdog; `faults` are the failpoints to fire."""
         self.model = model
         self.threads = threads
         self.pool = pool
@@ -185,15 +224,34 @@ class Scheduler:
         #: Prompt tokens taken from the prefix cache instead of prefilled.
         self.reused_tokens = 0
         self.preemptions = 0
+        self.stall_timeout_s = stall_timeout_s
+        self._faults = faults
+        #: What the thread is doing now (None: waiting for work), written under `_cond`.
+        self._activity: Activity | None = None
+        #: The activity the watchdog found stalled, until it ends.
+        self._stall: Activity | None = None
+        #: Why the thread died, once it has.
+        self._failed: BaseException | None = None
+        #: Lanes the scheduler fills: fewer than `max_batch` for a while after running out of memory.
+        self._lane_cap = max_batch
+        self._calm_steps = 0
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch-scheduler", daemon=True)
         self._thread.start()
+        if stall_timeout_s > 0:
+            threading.Thread(target=self._watch, name="torch-watchdog", daemon=True).start()
 
     # -- caller threads ------------------------------------------------------------------------
 
     def submit(self, gen: Generation) -> None:
+        """Queues `gen`; EngineFault while the engine is stalled, failed or closed."""
         with self._cond:
+            if self._failed is not None:
+                raise EngineFault(f"the engine failed: {self._failed}")
+            if self._stall is not None:
+                raise EngineFault("the engine is stalled")
             if self._stopping:
-                raise GenerationError("the engine is closed")
+                raise EngineFault("the engine is closed")
             self._queues[gen.qos].append(gen)
             self._cond.notify()
 
@@ -220,11 +278,47 @@ class Scheduler:
             pool_blocks_total=self.pool.total,
         )
 
+    def health(self) -> EngineHealth:
+        if self._failed is not None:
+            return EngineHealth.FAILED
+        return EngineHealth.OK if self._stall is None else EngineHealth.STALLED
+
     def close(self, timeout: float = 10.0) -> None:
+        """Stops the thread; a stalled one is not waited for."""
+        self._closing.set()
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout)
+            stalled = self._stall is not None
+        self._thread.join(0 if stalled else timeout)
+
+    # -- the watchdog thread -------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        period = min(WATCH_PERIOD_S, self.stall_timeout_s / 4)
+        while not self._closing.wait(period):
+            self._check_stall(time.monotonic())
+
+    def _check_stall(self, now: float) -> None:
+        """Past the stall timeout, ends every generation the engine holds, with an error."""
+        with self._cond:
+            activity = self._activity
+            if activity is None or self._stall is not None or now - activity.since < self.stall_timeout_s:
+                return
+            self._stall = activity
+            running = self._running()
+            for gen in running:
+                gen.abandoned = True
+                gen.out.put((ERROR, "the engine stalled"))
+            queued = [self._queues[q].popleft() for q in range(QOS_CLASSES) for _ in range(len(self._queues[q]))]
+            for gen in queued:
+                gen.state = DONE
+                gen.out.put((ERROR, "the engine stalled"))
+        log.error(
+            f"torch engine: stalled: {activity.describe(now)}, past the stall timeout of "
+            f"{self.stall_timeout_s:g} s; ended {len(running)} running and {len(queued)} queued "
+            "generation(s), refusing new ones until it returns"
+        )
 
     # -- the scheduler thread ------------------------------------------------------------------
 
@@ -232,13 +326,19 @@ class Scheduler:
         if self.threads is not None:
             # OpenMP keeps a thread count per calling thread: this sets the forward's own.
             torch.set_num_threads(self.threads)
-        with torch.inference_mode():
-            while self._wait_for_work():
-                try:
-                    self._iteration()
-                except Exception as e:  # a bookkeeping bug must not kill the thread silently
-                    log.exception("torch engine: scheduler iteration failed")
-                    self._fail_all(self._running(), e)
+        try:
+            with torch.inference_mode():
+                while self._wait_for_work():
+                    self._trip(failpoints.SCHEDULER)
+                    try:
+                        self._iteration()
+                    except Exception as e:  # a bookkeeping bug must not kill the thread silently
+                        log.exception("torch engine: scheduler iteration failed")
+                        self._fail_all(self._running(), e)
+                    self._settle()
+        except BaseException as e:  # noqa: BLE001 - whatever killed the thread, its generations end
+            self._die(e)
+            return
         self._shut_down()
 
     def _wait_for_work(self) -> bool:
@@ -248,19 +348,62 @@ class Scheduler:
             return not self._stopping
 
     def _iteration(self) -> None:
+        self._begin("scheduling pass", self._running())
         self._sweep()
         self._yield_held_lanes()
         with self._cond:
             self._admit()
         prefill = self._pick_prefill([g for g in self._running() if g.prefilling])
         if prefill:
-            self._guarded([g for g, _ in prefill], lambda: self._prefill_step(prefill))
-        decode = self._grow([g for g in self._running() if not g.prefilling and g.held_since is None])
+            self._prefill(prefill)
+        decode = [g for g in self._running() if not g.prefilling and g.held_since is None]
         if decode:
-            self._guarded(decode, lambda: self._decode_step(decode))
+            self._decode(decode)
         if not prefill and not decode:
             with self._cond:  # every lane is held back by its caller: wait, do not spin
                 self._cond.wait(IDLE_WAIT_S)
+
+    def _begin(self, kind: str, gens: list[Generation]) -> None:
+        with self._cond:
+            self._activity = Activity(kind, len(gens), time.monotonic())
+
+    def _settle(self) -> None:
+        """Ends the iteration's activity; a stalled one has returned after all."""
+        with self._cond:
+            stall, self._stall, self._activity = self._stall, None, None
+        if stall is not None:
+            log.warning(
+                f"torch engine: recovered: {stall.describe(time.monotonic())} returned; taking generations again"
+            )
+
+    def _trip(self, name: str) -> None:
+        """Fires the failpoint armed for this pass of point `name`, if any."""
+        point = None if self._faults is None else self._faults.hit(name)
+        if point is None:
+            return
+        log.warning(f"torch engine: failpoint {point} fires")
+        if point.action == Action.HANG:
+            threading.Event().wait()
+        elif point.action == Action.SLEEP:
+            time.sleep(point.ms / 1000)
+        elif point.action == Action.OOM:
+            raise torch.OutOfMemoryError(f"failpoint {point}: out of memory")
+        else:
+            raise InjectedFault(f"failpoint {point}")
+
+    def _die(self, error: BaseException) -> None:
+        """The thread is dying: every generation ends with an error, new ones are refused."""
+        log.critical("torch engine: the scheduler thread died; every generation ends", exc_info=error)
+        with self._cond:
+            self._failed = error
+            queued = [self._queues[q].popleft() for q in range(QOS_CLASSES) for _ in range(len(self._queues[q]))]
+        message = f"the engine failed: {error}"
+        for gen in self._running():
+            self._release(gen)
+            gen.out.put((ERROR, message))
+        for gen in queued:
+            gen.state = DONE
+            gen.out.put((ERROR, message))
 
     def _running(self) -> list[Generation]:
         return [g for g in self._lanes if g is not None]
@@ -270,7 +413,7 @@ class Scheduler:
         caller set its cancel event, running or queued."""
         now = time.monotonic()
         for gen in self._running():
-            if gen.cancelled or gen.expired(now):
+            if gen.cancelled or gen.abandoned or gen.expired(now):
                 self._release(gen)
             elif gen.stopped():
                 self._finish(gen, finish.CANCELLED)
@@ -302,7 +445,8 @@ class Scheduler:
     def _admit(self) -> None:
         """Start queued generations by QoS class, passing over those held back by their caller;
         a head that cannot get its blocks waits."""
-        free_lanes = [i for i, g in enumerate(self._lanes) if g is None]
+        room = self._lane_cap - len(self._running())
+        free_lanes = [i for i, g in enumerate(self._lanes) if g is None][: max(room, 0)]
         for q in self._queues:
             for gen in [g for g in q if not g.held_back()]:
                 if not free_lanes or not self._start(gen, free_lanes[0]):
@@ -323,7 +467,12 @@ class Scheduler:
                 return False
             self._preempt(max(lower, key=lambda g: g.priority))
         self.pool.hold(cached)  # before allocating, which could otherwise evict them
-        fresh = self.pool.allocate(need)
+        try:
+            fresh = self._allocate(need)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            fresh = None  # it waits in its queue for the next pass
         if fresh is None:  # cannot happen after the check above; never hold blocks then
             self.pool.release(cached)
             return False
@@ -342,12 +491,16 @@ class Scheduler:
         Returns those of `gens` still running."""
         for gen in sorted(gens, key=lambda g: g.priority):
             while gen.state == RUNNING and blocks_for(gen.n_cached + 1) > len(gen.blocks):
-                block = self.pool.allocate(1)
+                block = self._allocate(1)
                 if block is None:
                     self._preempt(max(self._running(), key=lambda g: g.priority))
                 else:
                     gen.blocks += block
         return [g for g in gens if g.state == RUNNING]
+
+    def _allocate(self, n_blocks: int) -> list[int] | None:
+        self._trip(failpoints.ALLOC)
+        return self.pool.allocate(n_blocks)
 
     def _preempt(self, gen: Generation) -> None:
         """Take `gen`'s lane and blocks; it waits at the front of its queue to recompute."""
@@ -389,13 +542,57 @@ class Scheduler:
             width = max(width, chunk)
         return picked
 
-    def _guarded(self, gens: list[Generation], step: Callable[[], None]) -> None:
-        """Run `step`; if it raises, `gens` fail and the scheduler goes on."""
+    def _prefill(self, work: list[tuple[Generation, int]]) -> None:
+        """Prefills `work`; out of memory, the oldest lane alone, and if that too runs out, it
+        fails alone."""
         try:
-            step()
+            self._begin("prefill step", [g for g, _ in work])
+            self._prefill_step(work)
         except Exception as e:
-            log.exception("torch engine: a batched step failed")
-            self._fail_all(gens, e)
+            if not is_out_of_memory(e) or len(work) == 1:
+                self._fail_step([g for g, _ in work], "prefill", e)
+                return
+            log.warning(f"torch engine: out of memory prefilling {len(work)} lanes; prefilling the oldest alone")
+            self._prefill(work[:1])
+
+    def _decode(self, gens: list[Generation]) -> None:
+        """Grows and decodes `gens`; out of memory, preempts the lower-priority half and runs the
+        rest, down to one lane, which then fails alone."""
+        while gens:
+            try:
+                self._begin("decode step", gens)
+                running = self._grow(gens)
+                if running:
+                    self._decode_step(running)
+                return
+            except Exception as e:
+                gens = [g for g in gens if g.state == RUNNING]
+                if not is_out_of_memory(e) or len(gens) <= 1:
+                    self._fail_step(gens, "decode", e)
+                    return
+                gens = self._shed(gens)
+
+    def _shed(self, gens: list[Generation]) -> list[Generation]:
+        """Preempts the lower-priority half of `gens` and caps the lanes at the rest for a while;
+        the lanes kept."""
+        ranked = sorted(gens, key=lambda g: g.priority)
+        kept, shed = ranked[: len(ranked) // 2], ranked[len(ranked) // 2 :]
+        for gen in shed:
+            self._preempt(gen)
+        self._lane_cap, self._calm_steps = len(kept), 0
+        log.warning(
+            f"torch engine: out of memory in a decode step over {len(gens)} lanes; preempted "
+            f"{len(shed)}, running {len(kept)} until {OOM_CALM_STEPS} steps pass without it"
+        )
+        return kept
+
+    def _fail_step(self, gens: list[Generation], kind: str, error: Exception) -> None:
+        """A step raised: its generations fail and the scheduler goes on."""
+        if is_out_of_memory(error):
+            log.error(f"torch engine: out of memory in a one-lane {kind} step; its generation ends: {error}")
+        else:
+            log.exception(f"torch engine: a {kind} step over {len(gens)} lane(s) failed", exc_info=error)
+        self._fail_all(gens, error)
 
     def _prefill_step(self, work: list[tuple[Generation, int]]) -> None:
         gens = [gen for gen, _ in work]
@@ -416,6 +613,7 @@ class Scheduler:
                 self._emit(gen, token)
 
     def _decode_step(self, gens: list[Generation]) -> None:
+        self._trip(failpoints.STEP)
         began = time.perf_counter()
         logits = self._forward(gens, [[g.tokens[-1]] for g in gens], [1] * len(gens))
         self.decode_forward_seconds += time.perf_counter() - began
@@ -427,6 +625,15 @@ class Scheduler:
             self._emit(gen, token)
         self.decode_steps += 1
         self.decode_seconds += time.perf_counter() - began
+        self._calm()
+
+    def _calm(self) -> None:
+        """One decode step ran: after enough, an out-of-memory lane cap grows by a lane."""
+        if self._lane_cap == len(self._lanes):
+            return
+        self._calm_steps += 1
+        if self._calm_steps >= OOM_CALM_STEPS:
+            self._lane_cap, self._calm_steps = self._lane_cap + 1, 0
 
     def _forward(self, gens: list[Generation], rows: list[list[int]], counts: list[int]) -> torch.Tensor:
         """One batched forward of each lane's new tokens; logits [B,V] at each lane's last one."""
@@ -463,6 +670,8 @@ class Scheduler:
         return model.logits(last, greedy=all(g.sampler.greedy for g in gens))
 
     def _emit(self, gen: Generation, token: int) -> None:
+        if gen.abandoned:
+            return
         if token in self.eos:
             self._finish(gen, finish.EOS)
             return

@@ -24,6 +24,8 @@ from nodeagent.daemon import (
     QOS_CLASSES,
     Daemon,
     DeviceMemory,
+    EngineFault,
+    EngineHealth,
     GenerationError,
     GenerationResult,
     GenExtras,
@@ -37,7 +39,7 @@ from nodeagent.daemon import (
     check_stream,
 )
 from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
-from nodeagent.engine.choices import DTYPES, WEIGHTS, WeightFormat
+from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, WEIGHTS, WeightFormat
 from nodeagent.engine.gguf_file import load_gguf, projection_bits
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.loader import load_model
@@ -45,6 +47,7 @@ from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.quant import Quantization, WeightFormatError, choose_format
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
+from nodeagent.failpoints import Failpoints
 from nodeagent.heap import return_free_memory
 from proto import finish
 from proto.models import AliasUnavailable, is_gguf, resolve
@@ -76,6 +79,8 @@ class TorchDaemon(Daemon):
         prefix_cache: bool = True,
         quantization: Quantization | None = None,
         threads: int | None = None,
+        stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
+        faults: Failpoints | None = None,
     ):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -104,7 +109,10 @@ class TorchDaemon(Daemon):
             model.dtype,
             model.device,
         )
-        self._scheduler = Scheduler(model, pool, max_batch, self.context, prefill_chunk, prefix_cache, threads)
+        self._scheduler = Scheduler(
+            model, pool, max_batch, self.context, prefill_chunk, prefix_cache, threads,
+            stall_timeout_s=stall_timeout_ms / 1000, faults=faults,
+        )
 
     @classmethod
     def load(
@@ -118,6 +126,8 @@ class TorchDaemon(Daemon):
         dtype: str = "auto",
         weights: str = "auto",
         threads: int | None = None,
+        stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
+        faults: Failpoints | None = None,
     ) -> TorchDaemon:
         """Open `model` ("builtin" or a checkpoint directory); raises ModelLoadError."""
         dev = _resolve_device(device)
@@ -137,7 +147,7 @@ class TorchDaemon(Daemon):
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
             return cls(
                 loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks,
-                quantization=quantization, threads=threads,
+                quantization=quantization, threads=threads, stall_timeout_ms=stall_timeout_ms, faults=faults,
             )
         except WeightFormatError as e:
             raise ModelLoadError(str(e)) from None
@@ -275,6 +285,9 @@ class TorchDaemon(Daemon):
         free, total = torch.cuda.mem_get_info(self.model.device)
         return DeviceMemory(total=total, free=free)
 
+    def health(self) -> EngineHealth:
+        return self._scheduler.health()
+
     def close(self) -> None:
         self._scheduler.close()
 
@@ -298,7 +311,7 @@ def _follow(gen: Generation, on_tokens: OnTokens, extras: GenExtras) -> Generati
         if end is not None:
             kind, value = end
             if kind == ERROR:
-                raise GenerationError(value)
+                raise EngineFault(value)
             return GenerationResult(_handed(gen, produced), value)
 
 

@@ -96,7 +96,7 @@ DECODE_ROUNDS = 8 if QUICK else 90
 DECODE_LANES = 8
 DECODE_PROMPT = list(range(1, 33))
 METRICS = ("--metrics-listen", "127.0.0.1:0")
-METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health$"
+METRICS_LINE = r"^superfluid-noded: metrics at http://(\S+)/metrics, health at /health, readiness at /ready$"
 
 
 @dataclass
