@@ -393,7 +393,10 @@ class Scheduler:
 
     def _die(self, error: BaseException) -> None:
         """The thread is dying: every generation ends with an error, new ones are refused."""
-        log.critical("torch engine: the scheduler thread died; every generation ends", exc_info=error)
+        log.critical(
+            f"torch engine: the scheduler thread died ({error}); every generation ends",
+            exc_info=not isinstance(error, InjectedFault),
+        )
         with self._cond:
             self._failed = error
             queued = [self._queues[q].popleft() for q in range(QOS_CLASSES) for _ in range(len(self._queues[q]))]
@@ -591,7 +594,10 @@ class Scheduler:
         if is_out_of_memory(error):
             log.error(f"torch engine: out of memory in a one-lane {kind} step; its generation ends: {error}")
         else:
-            log.exception(f"torch engine: a {kind} step over {len(gens)} lane(s) failed", exc_info=error)
+            log.error(
+                f"torch engine: a {kind} step over {len(gens)} lane(s) failed ({error}); they end",
+                exc_info=not isinstance(error, InjectedFault),
+            )
         self._fail_all(gens, error)
 
     def _prefill_step(self, work: list[tuple[Generation, int]]) -> None:

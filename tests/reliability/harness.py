@@ -47,9 +47,13 @@ class Row:
     #: The row stopped the node (a drain): its memory went back with the process.
     exited: bool = False
     notes: list[str] = field(default_factory=list)
+    #: What the row saw, printed after "ok" (the failures' notes replace it).
+    detail: str = ""
+    #: How far above its baseline the node may settle after this row.
+    rss_slack: int = RSS_SLACK
 
     def back_to_baseline(self) -> bool:
-        return self.exited or self.after_rss <= self.baseline_rss + RSS_SLACK
+        return self.exited or self.after_rss <= self.baseline_rss + self.rss_slack
 
     def clean(self) -> bool:
         return not (self.lost or self.duplicated or self.crashes or self.wrong) and self.back_to_baseline()
@@ -63,14 +67,14 @@ class Row:
 class WatchedNode:
     """A node process with its own home directory, and the figures the table needs."""
 
-    def __init__(self, *args: str, token: bytes = b"") -> None:
+    def __init__(self, *args: str, token: bytes = b"", env: dict[str, str] | None = None) -> None:
         self._home = tempfile.TemporaryDirectory(prefix="sf-reliability-")
         self.home = Path(self._home.name)
         self.token = token
         if token:
             (self.home / "token").write_bytes(token)
             args = (*args, "--auth-file", str(self.home / "token"))
-        self.proc = Noded(args, self.home)
+        self.proc = Noded(args, self.home, **(env or {}))
         self.addr = self.proc.addr
 
     def status(self, field_: str) -> int:
@@ -153,7 +157,7 @@ def table(rows: list[Row]) -> str:
             _mb(r.peak_rss),
             f"{_mb(r.baseline_rss)}→" + ("exit 0" if r.exited else _mb(r.after_rss)),
             f"{r.seconds:.1f} s",
-            "ok" if r.clean() else "FAIL " + "; ".join(r.notes),
+            ("ok" + (f": {r.detail}" if r.detail else "")) if r.clean() else "FAIL " + "; ".join(r.notes),
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 
+from engine_faults import die, hang, oom, raise_
 from harness import Measured, Row, WatchedNode, warm_up
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -500,4 +501,8 @@ ROWS = [
     (leases, {"sessions": 200}, {"sessions": 10}),
     (drain, {"heads": 8}, {"heads": 2}),
     (bounds, {"sessions": 10_000, "big_frames": 40}, {"sessions": 500, "big_frames": 4}),
+    (hang, {"heads": 4}, {"heads": 2}),
+    (raise_, {"heads": 3}, {"heads": 3}),
+    (die, {"heads": 4}, {"heads": 2}),
+    (oom, {"heads": 4}, {"heads": 4}),
 ]
