@@ -90,14 +90,19 @@ def _nodelay(sock: socket.socket) -> None:
         pass
 
 
+def show_address(addr: tuple) -> str:
+    """A socket address as Rust prints a `SocketAddr`: `1.2.3.4:5`, `[::1]:5`."""
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _peer_of(sock: socket.socket) -> str:
     try:
         addr = sock.getpeername()
     except OSError:
         return "unknown peer"
     if isinstance(addr, tuple):
-        host, port = addr[0], addr[1]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return show_address(addr)
     return f"unix:{addr}" if addr else "unix socket"
 
 

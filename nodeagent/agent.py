@@ -48,6 +48,7 @@ from nodeagent.daemon import (
     host_memory_bytes,
 )
 from nodeagent.load import U32_MAX, LoadMeter, LoadSample
+from nodeagent.logs import fields
 from nodeagent.observe import GenerationWatch, NodeObserver
 from nodeagent.outbox import Outbox
 from proto import finish, postcard
@@ -283,7 +284,7 @@ class NodeAgent:
         with sh.lock:
             for action in sh.agent.poll(now):
                 if isinstance(action, SelfFence):
-                    log.warning("node-agent self-fenced on lease expiry", extra=_fields(session_id=action.session_id))
+                    log.warning("node-agent self-fenced on lease expiry", extra=fields(session_id=action.session_id))
                     sh.forget(action.session_id)
                     self.observer.session_fenced(action.session_id)
 
@@ -417,12 +418,12 @@ class Connection:
             if endpoint.broken is not None or _stalled(work):
                 log.warning(
                     "node-agent dropped a connection the head stopped reading",
-                    extra=_fields(write_timeout_s=self.node.write_timeout),
+                    extra=fields(write_timeout_s=self.node.write_timeout),
                 )
             else:
                 log.warning(
                     "node-agent dropped a connection the head went silent on",
-                    extra=_fields(quiet_ms=int(endpoint.quiet_for() * 1000)),
+                    extra=fields(quiet_ms=int(endpoint.quiet_for() * 1000)),
                 )
 
     def serve_pass(self, endpoint: Endpoint, work: Work) -> bool:
@@ -563,7 +564,7 @@ class Connection:
         log.warning(
             "declining a generate (unknown session, superseded epoch, replayed command, or one "
             "already running on this connection); reporting it rather than going silent",
-            extra=_fields(session=m.session_id, generation=m.generation_id, epoch=m.epoch),
+            extra=fields(session=m.session_id, generation=m.generation_id, epoch=m.epoch),
         )
         declined = TokenEvent(
             session_id=m.session_id,
@@ -722,7 +723,7 @@ class Connection:
         if isinstance(generated, EngineFault):
             log.warning(
                 "the engine failed a generation; ending it with Finish(ERROR) so the head retries elsewhere",
-                extra=_fields(session=run.session_id, generation=run.generation_id, error=generated),
+                extra=fields(session=run.session_id, generation=run.generation_id, error=generated),
             )
             return finish.ERROR
         if isinstance(generated, DaemonError):
@@ -731,7 +732,7 @@ class Connection:
             log.warning(
                 "refusing a generation the node cannot stage; the head should have caught this "
                 "before dispatch",
-                extra=_fields(session=run.session_id, generation=run.generation_id, error=generated),
+                extra=fields(session=run.session_id, generation=run.generation_id, error=generated),
             )
             return finish.REFUSED
         if run.drained and generated.finish == finish.CANCELLED:
@@ -800,7 +801,7 @@ def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue, waker
     except DaemonError as e:
         log.warning(
             "a stage forward the node could not run; answering it empty",
-            extra=_fields(request=m.request_id, start=m.start_layer, end=m.end_layer, error=e),
+            extra=fields(request=m.request_id, start=m.start_layer, end=m.end_layer, error=e),
         )
     except Exception:
         log.exception("a stage forward's worker failed; answering it as not run")
@@ -811,11 +812,6 @@ def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue, waker
 
 def _stalled(work: Work) -> bool:
     return work.generation is not None and work.generation.stalled_since is not None
-
-
-def _fields(**fields) -> dict:
-    """A log record's key=value fields, as `nodeagent.logs` prints them after the message."""
-    return {"fields": fields}
 
 
 def is_client_refusal(e: DaemonError) -> bool:

@@ -17,19 +17,25 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from linkf.driver import split_address
+from linkf.driver import show_address, split_address
 from linkf.secure import ASCII_WHITESPACE, read_token
-from nodeagent import failpoints, logs
+from nodeagent import failpoints
 from nodeagent.agent import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT
 from nodeagent.daemon import MIN_CONTEXT
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, RUNTIMES, WEIGHTS
 from nodeagent.engine.mock import MOCK_WINDOW
 from nodeagent.failpoints import Failpoints, FailpointSpecError
+from nodeagent.logs import PROGRAM, say
+from nodeagent.noded import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_LANES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SESSION_RETENTION_MS,
+    NodeConfig,
+)
 from proto.models import ALIASES, is_gguf
 
-PROGRAM = "superfluid-noded"
 DEFAULT_LISTEN = "0.0.0.0:8454"
-DEFAULT_LANES = 8
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 LOG_FORMATS = ("text", "json")
 
@@ -107,11 +113,6 @@ class ShowVersion(Exception):
     """`--version`: the version on stdout, exit 0."""
 
 
-def say(message: str) -> None:
-    """One whole `superfluid-noded:` line on stderr, flushed at once: tools scrape these."""
-    logs.console(PROGRAM, message)
-
-
 @dataclass
 class Options:
     listen: str = DEFAULT_LISTEN
@@ -132,14 +133,14 @@ class Options:
     weights: str = "auto"
     kv_budget_mb: int | None = None
     engine_stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS
-    drain_timeout_ms: int = 30_000
+    drain_timeout_ms: int = int(DEFAULT_DRAIN_TIMEOUT_S * 1000)
     token_delay_ms: int = 0
     #: --record: each connection's frames go to a transcript file in this directory.
     record: str | None = None
     metrics_listen: str | None = None
     log_format: str = "text"
-    max_connections: int = 256
-    session_retention_ms: int = 300_000
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    session_retention_ms: int = DEFAULT_SESSION_RETENTION_MS
     #: The head's address in join mode (`superfluid-noded join HOST:PORT`); None: listen mode.
     join: str | None = None
     #: `--token` (join mode): stored at $SUPERFLUID_HOME/fleet/token before it is read.
@@ -326,6 +327,64 @@ def read_default_token(home: Path) -> bytes | None:
     return token or None
 
 
+#: Join mode's refusal to dial a head off loopback with no token.
+NO_TOKEN = (
+    "no fleet token: run `superfluid fleet token` on the head and pass --token <value> here "
+    "(a head on loopback needs none)"
+)
+
+
+def store_token(home: Path, token: bytes) -> Path:
+    """Keeps `token` at `$SUPERFLUID_HOME/fleet/token`, readable by its owner only (0600), so
+    the next start (and `superfluid-noded` in listen mode) finds it without `--token`."""
+    path = token_path(home)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token)
+    finally:
+        os.close(fd)
+    return path
+
+
+def join_token(opts: Options, head: str) -> bytes:
+    """The token to join with: `--token` (stored first), else `--auth-file`, else the stored
+    one; Exit(2) when there is none and the head is off loopback."""
+    home = superfluid_home()
+    if opts.token is not None:
+        token = opts.token.encode().strip(ASCII_WHITESPACE)
+        if not token:
+            raise Exit(2, "--token is empty: pass the head's `superfluid fleet token` value")
+        say(f"fleet token stored at {store_token(home, token)}")
+    elif opts.auth_file is not None:
+        token = read_auth_file(opts.auth_file)
+    else:
+        token = read_default_token(home) or b""
+        if token:
+            say(f"fleet token from {token_path(home)}")
+    if not token and not loopback(head):
+        if not opts.insecure_no_auth:
+            raise Exit(2, NO_TOKEN)
+        say(f"WARNING --insecure-no-auth: joining {head} with no fleet token (transport-only trust)")
+    return token
+
+
+def node_config(opts: Options) -> NodeConfig:
+    """How the node serves, from its flags."""
+    return NodeConfig(
+        model_name=opts.model_name,
+        max_lanes=opts.max_batch,
+        handshake_timeout_s=opts.handshake_timeout_ms / 1000,
+        idle_timeout_s=opts.idle_timeout_ms / 1000,
+        write_timeout_s=opts.write_timeout_ms / 1000,
+        drain_timeout_s=opts.drain_timeout_ms / 1000,
+        max_connections=opts.max_connections,
+        session_retention_ms=opts.session_retention_ms,
+        record=None if opts.record is None else Path(opts.record),
+    )
+
+
 def fleet_token(opts: Options) -> bytes:
     """The fleet token, or b"" where serving without one is allowed; Exit where it is not."""
     if opts.auth_file is not None:
@@ -398,12 +457,6 @@ def bind(listen: str) -> socket.socket:
         sock.close()
         raise Exit(1, f"bind {listen} failed: {_os_error(e)}") from None
     return sock
-
-
-def show_addr(addr: tuple) -> str:
-    """A socket address as Rust prints a `SocketAddr`: `1.2.3.4:5`, `[::1]:5`."""
-    host, port = addr[0], addr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def pick_runtime(opts: Options) -> str:
@@ -480,7 +533,7 @@ def start_metrics(opts: Options):
     except OSError as e:
         raise Exit(1, f"bind {opts.metrics_listen} failed: {_os_error(e)}") from None
     server.start()
-    say(f"metrics at http://{show_addr(server.address())}/metrics, health at /health, readiness at /ready")
+    say(f"metrics at http://{show_address(server.address())}/metrics, health at /health, readiness at /ready")
     return metrics
 
 

@@ -11,31 +11,14 @@ head that refuses the token ends the process with exit 2, since redialling canno
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 from linkf.driver import Endpoint, split_address
 from linkf.errors import Closed, LinkFError, Unauthorized
 from linkf.secure import NoiseRole
-from nodeagent.cli import (
-    ASCII_WHITESPACE,
-    Exit,
-    Options,
-    identity,
-    load,
-    loopback,
-    observers,
-    pick_runtime,
-    read_auth_file,
-    read_default_token,
-    say,
-    start_metrics,
-    superfluid_home,
-    token_path,
-)
+from nodeagent.logs import say
 from nodeagent.noded import Node
 from nodeagent.observe import Observers
 
@@ -48,10 +31,6 @@ CONNECT_S = 5.0
 #: Exit code and line for a head that refuses this node's token.
 REFUSED_EXIT = 2
 REFUSED = "the head refused this node's token; copy the head's `superfluid fleet token` here with --token"
-NO_TOKEN = (
-    "no fleet token: run `superfluid fleet token` on the head and pass --token <value> here "
-    "(a head on loopback needs none)"
-)
 
 
 @dataclass
@@ -71,63 +50,10 @@ class Backoff:
         self.current = self.first
 
 
-def store_token(home: Path, token: bytes) -> Path:
-    """Keeps `token` at `$SUPERFLUID_HOME/fleet/token`, readable by its owner only (0600), so
-    the next start (and `superfluid-noded` in listen mode) finds it without `--token`."""
-    path = token_path(home)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, token)
-    finally:
-        os.close(fd)
-    return path
-
-
-def run_join(opts: Options) -> int:
-    """`superfluid-noded join`: what `noded.run_listen` is to listen mode. Everything that can
-    refuse the node does so before the model loads."""
-    head = opts.join
-    if head is None:
-        raise Exit(2, "join needs the head's address")
-    token = join_token(opts, head)
-    metrics = start_metrics(opts)
-    daemon = load(opts, pick_runtime(opts))
-    say(daemon.summary())
-    node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
-    node.catch_signals()
-    joiner = Joiner(node, head, token, node.observer)
-    node.started()
-    return joiner.run(opts.max_batch)
-
-
-def join_token(opts: Options, head: str) -> bytes:
-    """The token to join with: `--token` (stored first), else `--auth-file`, else the stored
-    one; Exit(2) when there is none and the head is off loopback."""
-    home = superfluid_home()
-    if opts.token is not None:
-        token = opts.token.encode().strip(ASCII_WHITESPACE)
-        if not token:
-            raise Exit(2, "--token is empty: pass the head's `superfluid fleet token` value")
-        say(f"fleet token stored at {store_token(home, token)}")
-    elif opts.auth_file is not None:
-        token = read_auth_file(opts.auth_file)
-    else:
-        token = read_default_token(home) or b""
-        if token:
-            say(f"fleet token from {token_path(home)}")
-    if not token and not loopback(head):
-        if not opts.insecure_no_auth:
-            raise Exit(2, NO_TOKEN)
-        say(f"WARNING --insecure-no-auth: joining {head} with no fleet token (transport-only trust)")
-    return token
-
-
 class Joiner:
     """The lanes' connections to one head, and what ends them all."""
 
-    def __init__(self, node, head: str, token: bytes, observer: Observers) -> None:
+    def __init__(self, node: Node, head: str, token: bytes, observer: Observers) -> None:
         self.node = node
         self.head = head
         self.token = token

@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+#: The node's name at the head of its console lines, as the Rust binary's.
+PROGRAM = "superfluid-noded"
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
 #: The level of a `program: message` line: above every level a filter names, below `off`.
@@ -96,6 +98,11 @@ def fields(**values) -> dict:
     """A record's key=value fields, to pass as `extra=`: printed after the message (text) or
     as keys of the object (JSON)."""
     return {"fields": values}
+
+
+def say(message: str) -> None:
+    """One whole `superfluid-noded:` line on stderr, flushed at once: tools scrape these."""
+    console(PROGRAM, message)
 
 
 def console(program: str, message: str) -> None:

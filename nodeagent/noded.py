@@ -20,28 +20,24 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from linkf.driver import SUPPORTED_VERSIONS, Endpoint
+from linkf.driver import SUPPORTED_VERSIONS, Endpoint, show_address
 from linkf.errors import Closed, LinkFError, Unauthorized
 from linkf.secure import NoiseRole
 from linkf.transcript import NODE, Recorder
 from nodeagent.admission import Admission, Limits
-from nodeagent.agent import Connection, NodeAgent
-from nodeagent.cli import (
-    Options,
-    bind,
-    fleet_token,
-    identity,
-    load,
-    observers,
-    pick_runtime,
-    say,
-    show_addr,
-    start_metrics,
+from nodeagent.agent import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_WRITE_TIMEOUT,
+    Connection,
+    NodeAgent,
 )
 from nodeagent.daemon import Daemon, DaemonError, EngineHealth
 from nodeagent.heap import return_free_memory
+from nodeagent.logs import say
 from nodeagent.observe import Observers
 from nodeagent.sdnotify import READY, STOPPING, WATCHDOG, notify
 
@@ -68,6 +64,32 @@ STOP_GRACE_S = 3.0
 #: The exit code of a node whose engine failed (its scheduler died): a supervisor restarts it.
 ENGINE_FAILED_EXIT = 4
 
+#: Lanes a node runs at once unless told (`--max-batch`).
+DEFAULT_LANES = 8
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_SESSION_RETENTION_MS = 300_000
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How a node serves, in plain units: what `superfluid-noded`'s flags set (cli.py builds
+    one), so that a program can embed a node with no command line."""
+
+    #: The model name heads match on; None: the engine's own.
+    model_name: str | None = None
+    max_lanes: int = DEFAULT_LANES
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT
+    #: How long a head may be silent before its connection is dropped; 0 keeps every one.
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    session_retention_ms: int = DEFAULT_SESSION_RETENTION_MS
+    #: A directory for each connection's transcript; None records nothing.
+    record: Path | None = None
+
+
 #: Told, once a connection is over (its socket closed, its slot free), the peer and None or the
 #: error its serve raised: the error itself, where the observers get only a reason to show.
 ConnectionEnd = Callable[[str, BaseException | None], None]
@@ -79,31 +101,32 @@ class Node:
     def __init__(
         self,
         daemon: Daemon,
-        opts: Options,
-        token: bytes,
-        identity: str,
+        config: NodeConfig = NodeConfig(),
+        token: bytes = b"",
+        identity: str = "node",
         observer: Observers | None = None,
         on_connection_end: ConnectionEnd | None = None,
     ):
+        """`token`: the fleet token (empty: plaintext links, checked by nobody)."""
         self.daemon = daemon
         self.observer = observer if observer is not None else Observers()
         self.identity = identity
-        self.model_name = opts.model_name or daemon.model_name
+        self.model_name = config.model_name or daemon.model_name
         self.token = token
-        self.handshake_s = opts.handshake_timeout_ms / 1000
-        self.drain_s = opts.drain_timeout_ms / 1000
-        self.record = None if opts.record is None else Path(opts.record)
+        self.handshake_s = config.handshake_timeout_s
+        self.drain_s = config.drain_timeout_s
+        self.record = config.record
         self._recorded = itertools.count(1)
         self.agent = (
             NodeAgent(daemon, identity, self.model_name)
-            .with_max_lanes(opts.max_batch)
-            .with_timeouts(self.handshake_s, opts.idle_timeout_ms / 1000)
-            .with_write_timeout(opts.write_timeout_ms / 1000)
+            .with_max_lanes(config.max_lanes)
+            .with_timeouts(self.handshake_s, config.idle_timeout_s)
+            .with_write_timeout(config.write_timeout_s)
             .with_auth(token)
             .with_observer(self.observer)
         )
-        self.agent.shared.agent.retention_ms = opts.session_retention_ms
-        self.admission: Admission[socket.socket] = Admission(Limits(max_connections=max(opts.max_connections, 1)))
+        self.agent.shared.agent.retention_ms = config.session_retention_ms
+        self.admission: Admission[socket.socket] = Admission(Limits(max_connections=max(config.max_connections, 1)))
         self.on_connection_end = on_connection_end
         self._signals = 0
         self._stop = threading.Event()
@@ -192,7 +215,7 @@ class Node:
             say(f"accept failed: {e}")
             time.sleep(POLL_S)
             return
-        peer = show_addr(addr)
+        peer = show_address(addr)
         decision = self.admission.admit(addr[0], sock)
         for gone in decision.evicted:
             log.debug(f"let go of a connection from {gone.source} still in its handshake, for a newer one")
@@ -353,25 +376,3 @@ def describe(e: BaseException, peer: str) -> str:
         return str(e).removesuffix(f" (peer {peer})")
     return f"{type(e).__name__}: {e}"
 
-
-def run_listen(opts: Options) -> int:
-    """Listen mode. Everything that can refuse the node does so before the model loads."""
-    token = fleet_token(opts)
-    listener = bind(opts.listen)
-    try:
-        metrics = start_metrics(opts)
-        daemon = load(opts, pick_runtime(opts))
-        say(daemon.summary())
-        listener.listen(LISTEN_BACKLOG)
-        node = Node(daemon, opts, token, identity(opts), observers(daemon, opts, metrics))
-        node.catch_signals()
-        node.started()  # before the line that says so: /ready agrees with it
-        say(
-            f"node '{node.identity}' serving '{node.model_name}' on "
-            f"{show_addr(listener.getsockname())} (Link F/TCP)"
-        )
-        if token:
-            say("the link is encrypted and both ends are checked against the token")
-        return node.serve_until_signalled(listener)
-    finally:
-        listener.close()

@@ -18,10 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from linkf.driver import Endpoint  # noqa: E402
 from nodeagent.agent import NodeAgent  # noqa: E402
-from nodeagent.cli import Options  # noqa: E402
 from nodeagent.daemon import Daemon  # noqa: E402
 from nodeagent.engine.mock import MockDaemon  # noqa: E402
-from nodeagent.noded import LISTEN_BACKLOG, Node  # noqa: E402
+from nodeagent.noded import LISTEN_BACKLOG, Node, NodeConfig  # noqa: E402
 from nodeagent.observe import NodeObserver, Observers  # noqa: E402
 
 JOIN_TIMEOUT = 5.0
@@ -141,17 +140,12 @@ def start_node():
         identity: str = "node-a",
         model: str = "mock",
     ) -> ServedNode:
-        opts = Options(
-            model_name=model,
-            max_batch=max_lanes,
-            handshake_timeout_ms=round(handshake_s * 1000),
-            idle_timeout_ms=round(idle_s * 1000),
-        )
+        config = NodeConfig(model_name=model, max_lanes=max_lanes, handshake_timeout_s=handshake_s, idle_timeout_s=idle_s)
         opened, outcomes = Opened(), queue.Queue()
         kind = PlainLinkNode if noise is False else Node
         node = kind(
             daemon if daemon is not None else MockDaemon(),
-            opts,
+            config,
             auth,
             identity,
             Observers(opened),

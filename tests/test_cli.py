@@ -307,3 +307,18 @@ def test_cuda_n_past_the_devices_there_is_a_load_error_naming_them(monkeypatch):
     assert torch_engine._resolve_device("cuda:1") == torch.device("cuda:1")
     with pytest.raises(ModelLoadError, match=r"'cuda:2' asked for, but this torch sees 2 CUDA device\(s\)"):
         torch_engine._resolve_device("cuda:2")
+
+
+def test_the_flags_become_the_nodes_plain_config(tmp_path):
+    from nodeagent.noded import NodeConfig
+
+    opts = cli.parse_args([
+        "--model", "builtin", "--model-name", "m", "--max-batch", "3", "--handshake-timeout-ms", "1500",
+        "--idle-timeout-ms", "0", "--write-timeout-ms", "2500", "--drain-timeout-ms", "700",
+        "--max-connections", "9", "--session-retention-ms", "1234", "--record", str(tmp_path),
+    ])
+    assert cli.node_config(opts) == NodeConfig(
+        model_name="m", max_lanes=3, handshake_timeout_s=1.5, idle_timeout_s=0.0, write_timeout_s=2.5,
+        drain_timeout_s=0.7, max_connections=9, session_retention_ms=1234, record=tmp_path,
+    )
+    assert cli.node_config(cli.parse_args(["--model", "builtin"])) == NodeConfig()

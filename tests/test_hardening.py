@@ -25,7 +25,7 @@ from linkf.driver import Endpoint
 from linkf.errors import Envelope
 from proto import finish
 from nodeagent.admission import Admission, Limits
-from nodeagent.cli import Options, loopback
+from nodeagent.cli import loopback
 from nodeagent.engine.mock import MockDaemon
 from nodeagent.noded import Node
 from proto.handshake import MAX_HELLO_FRAME
@@ -50,7 +50,7 @@ MOCK = ("--listen", "127.0.0.1:0", "--engine", "mock")
 def node_in_process():
     """`Node` serving a mock on a loopback port on a thread; drained after the test."""
     listener = socket.create_server(("127.0.0.1", 0))
-    node = Node(MockDaemon(), Options(listen="127.0.0.1:0", runtime="mock"), b"", "in-process")
+    node = Node(MockDaemon(), identity="in-process")
     served = background(lambda: node.serve_until_signalled(listener), timeout=10)
     yield node, "127.0.0.1:%d" % listener.getsockname()[1]
     node.stop()

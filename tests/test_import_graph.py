@@ -123,3 +123,14 @@ def test_a_planted_import_of_the_node_by_the_kit_is_caught(tmp_path):
     known = {**modules(), "conformance.planted": planted}
     edges = {**graph(), "conformance.planted": imports_of(planted, known, "conformance.planted")}
     assert ("conformance.planted", "nodeagent.engine") in wrong_way(edges, "conformance")
+
+
+#: The command line's modules: the serving objects take a plain `NodeConfig` instead, so a
+#: program can embed a node without argv.
+COMMAND_LINE = {"nodeagent.cli", "nodeagent.main", "nodeagent.__main__"}
+
+
+def test_the_serving_objects_do_not_import_the_command_line():
+    edges = graph()
+    serving = ("nodeagent.noded", "nodeagent.join", "nodeagent.agent")
+    assert {(m, t) for m in serving for t in edges[m] if t in COMMAND_LINE} == set()

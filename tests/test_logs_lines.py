@@ -9,13 +9,13 @@ import sys
 #: Threads that say() and log at once, with the interpreter switching threads as often as it can.
 WRITERS = r"""
 import logging, sys, threading
-from nodeagent import cli, logs
+from nodeagent import logs
 sys.setswitchinterval(1e-6)
 logs.init_stderr("info")
 log = logging.getLogger("nodeagent.noded")
 def run(n):
     for i in range(300):
-        cli.say(f"the connection from 127.0.0.1:{n} ended: line {i} of writer {n}")
+        logs.say(f"the connection from 127.0.0.1:{n} ended: line {i} of writer {n}")
         log.warning(f"writer {n} line {i}", extra={"fields": {"peer": n}})
 threads = [threading.Thread(target=run, args=(n,)) for n in range(8)]
 for t in threads: t.start()
