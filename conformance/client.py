@@ -78,9 +78,27 @@ def capacity_lines(c: CapacitySummary) -> list[str]:
         f"kv blocks   {c.kv_blocks_used} used of {c.kv_blocks_total}",
         f"sessions    {c.active_sessions}",
         f"rates       decode {c.decode_tokens_per_s} tok/s, prefill {c.prefill_tokens_per_s} tok/s",
-        f"memory      gpu {c.gpu_memory_free_bytes} free of {c.gpu_memory_bytes} bytes, "
-        f"host {c.host_memory_bytes} bytes",
+        f"memory      {gpu_memory(c)}, host {human_bytes(c.host_memory_bytes)}",
     ]
+
+
+def gpu_memory(c: CapacitySummary) -> str:
+    if not c.gpu_memory_bytes:
+        return "no GPU"
+    return f"GPU {human_bytes(c.gpu_memory_free_bytes)} free of {human_bytes(c.gpu_memory_bytes)}"
+
+
+def human_bytes(n: int) -> str:
+    """`n` bytes in binary units, three significant figures: 512 B, 1.50 KiB, 23.4 GiB."""
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    if unit == "B":
+        return f"{n} B"
+    digits = 2 if size < 10 else 1 if size < 100 else 0
+    return f"{size:.{digits}f} {unit}"
 
 
 def hello(head: FleetHead, args: argparse.Namespace) -> int:

@@ -2,11 +2,13 @@
 that share nothing, streaming, and the client's three commands against a real node."""
 
 import ast
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from polling import TIMEOUT, background
@@ -96,12 +98,27 @@ def test_the_client_says_hello_status_and_generates(node, capsys):
     assert client.main(["hello", node.addr]) == 0
     out = capsys.readouterr().out
     assert "node        node-a" in out and "models      mock" in out and "window      4096 tokens" in out
+    assert re.search(r"^memory      no GPU, host \d+(\.\d+)? GiB$", out, re.M), out
     assert client.main(["status", node.addr, "--timeout", "5"]) == 0
     assert "kv blocks" in capsys.readouterr().out
     assert client.main(["generate", node.addr, "--prompt", "1,2,3", "--max-new", "12"]) == 0
     got = capsys.readouterr()
     assert got.out.split() == [str(t) for t in mock_tokens([1, 2, 3], 12)]
     assert got.err.strip().startswith("finish LENGTH: 12 tokens in")
+
+
+
+@pytest.mark.parametrize(
+    "n, shown",
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"), (25 * 2**30 + 2**29, "25.5 GiB"), (512 * 2**20, "512 MiB")],
+)
+def test_memory_reads_in_binary_units(n, shown):
+    assert client.human_bytes(n) == shown
+
+
+def test_a_node_with_a_gpu_says_what_is_free():
+    c = SimpleNamespace(gpu_memory_bytes=80 * 2**30, gpu_memory_free_bytes=60 * 2**30)
+    assert client.gpu_memory(c) == "GPU 60.0 GiB free of 80.0 GiB"
 
 
 def test_the_client_fails_with_one_line_when_no_node_answers(capsys):
