@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from helpers import placed
 from polling import wait_until
 
 from conformance.head import FleetHead
@@ -21,7 +22,6 @@ from proto import finish
 from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, Connection
 from nodeagent.daemon import GenerationResult, GenExtras
 from nodeagent.engine.mock import MockDaemon
-from proto.params import GenParams
 from proto.linkf import TokenEventPayload
 
 MILLION = 1_000_000
@@ -55,11 +55,6 @@ def window_watch(node, head: FleetHead, key: tuple[int, int]) -> tuple[dict[str,
         return len(head.generations[key].tokens) if key in head.generations else 0
 
     return peak, watch
-
-
-def placed(head: FleetHead, session_id: int, prompt: list[int]) -> None:
-    head.assign(session_id, GenParams())
-    head.append(session_id, prompt)
 
 
 def test_a_million_token_stream_leaves_the_head_heard_and_the_window_bounded(node):

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from helpers import placed
 
 from conformance.head import FleetHead
 from conformance.reference import mock_tokens
@@ -28,12 +29,6 @@ class EndsEarly(MockDaemon):
 class NoGrammar(MockDaemon):
     def generate_tokens_streaming(self, stream, params, max_tokens, deadline_ms, extras, on_tokens):
         raise ConstraintError("this engine applies no grammar")
-
-
-def placed(head: FleetHead, session_id: int, prompt=PROMPT) -> int:
-    epoch = head.assign(session_id, GenParams())
-    head.append(session_id, prompt)
-    return epoch
 
 
 def by_hand(head: FleetHead, session_id: int, epoch: int, max_new: int = 4) -> GenerateReqMsg:
@@ -60,7 +55,7 @@ def test_unknown_sessions_and_superseded_epochs_are_declined(node, caplog):
     caplog.set_level(logging.WARNING, logger="nodeagent.agent")
     with FleetHead.connect(node.addr) as head:
         assert_declined(head, by_hand(head, 404, epoch=1))
-        old = placed(head, 1)
+        old = placed(head, 1, PROMPT)
         new = head.assign(1, GenParams())
         assert_declined(head, by_hand(head, 1, epoch=old))
         assert new > old
@@ -72,7 +67,7 @@ def test_unknown_sessions_and_superseded_epochs_are_declined(node, caplog):
 
 def test_a_replayed_generate_is_declined_and_does_not_restart_the_stream(node):
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         req = head.request(1, 8)
         g = head.collect(req)
         assert g.finish == finish.LENGTH
@@ -88,7 +83,7 @@ def test_a_replayed_generate_is_declined_and_does_not_restart_the_stream(node):
 def test_a_second_generate_on_a_busy_connection_is_declined_without_consuming_it(start_node):
     node = start_node(MockDaemon(token_delay_s=0.01))
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         placed(head, 2, [7, 8, 9])
         first = head.request(1, 40)
         second = head.request(2, 4)
@@ -121,13 +116,13 @@ def test_a_context_past_the_window_is_refused_and_the_connection_serves_on(start
 def test_a_constraint_the_engine_cannot_apply_is_refused(start_node):
     node = start_node(NoGrammar())
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         assert head.generate(1, 4).finish == finish.REFUSED
 
 
 def test_any_other_daemon_error_ends_that_connection_only(node):
     with FleetHead.connect(node.addr) as good, FleetHead.connect(node.addr) as bad:
-        placed(good, 1)
+        placed(good, 1, PROMPT)
         bad.assign(2, GenParams())  # no content: the mock cannot generate
         bad.request(2, 4)
         assert bad.closed_by_node(3.0)
@@ -140,7 +135,7 @@ def test_any_other_daemon_error_ends_that_connection_only(node):
 
 def test_tokens_are_coalesced_by_count(node):
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         g = head.generate(1, 40)
     assert g.tokens == mock_tokens(PROMPT, 40)
     batches = [len(e.payload.tokens) for e in g.events if isinstance(e.payload, TokenEventPayload.Tokens)]
@@ -152,7 +147,7 @@ def test_tokens_are_coalesced_by_count(node):
 def test_slow_tokens_leave_as_they_come(start_node):
     node = start_node(MockDaemon(token_delay_s=0.05))
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         g = head.generate(1, 12)
         token_frames = [r.at for r in head.of_type(msg_type.TOKEN_EVENTS)]
     assert g.tokens == mock_tokens(PROMPT, 12)
@@ -165,7 +160,7 @@ def test_cancel_stops_the_generation_and_finishes_cancelled(start_node):
     daemon = MockDaemon(token_delay_s=0.01)
     node = start_node(daemon)
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         req = head.request(1, 1000)
         g = head.generations
         head.until(lambda: (1, req.generation_id) in g and g[(1, req.generation_id)].tokens, 5.0, "tokens")
@@ -189,7 +184,7 @@ def test_cancel_stops_the_generation_and_finishes_cancelled(start_node):
 def test_finish_reasons(start_node, daemon, max_new, wall_ms, reason):
     node = start_node(daemon())
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         g = head.generate(1, max_new, wall_ms)
     assert g.finish == reason
     assert g.tokens == mock_tokens(PROMPT, len(g.tokens))
@@ -201,7 +196,7 @@ def test_closing_the_connection_stops_its_generation(start_node):
     daemon = MockDaemon(token_delay_s=0.01)
     node = start_node(daemon)
     head = FleetHead.connect(node.addr)
-    placed(head, 1)
+    placed(head, 1, PROMPT)
     req = head.request(1, 1000)
     head.until(lambda: (1, req.generation_id) in head.generations, 5.0, "the first tokens")
     head.close()
@@ -225,7 +220,7 @@ class Crashes(MockDaemon):
 def test_a_worker_that_dies_without_a_result_ends_the_connection(start_node, caplog):
     node = start_node(Crashes())
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         head.request(1, 4)
         assert head.closed_by_node(3.0)
     outcome = node.outcome()
@@ -240,10 +235,10 @@ def test_a_cancel_reaches_a_generation_still_waiting_for_a_lane_at_once(start_no
     daemon = MockDaemon(max_lanes=1, token_delay_s=0.01)
     node = start_node(daemon)
     with FleetHead.connect(node.addr) as busy, FleetHead.connect(node.addr) as waiting:
-        placed(busy, 1)
+        placed(busy, 1, PROMPT)
         long_run = busy.request(1, 1000)
         busy.until(lambda: daemon.sched_stats().lanes_active == 1, 5.0, "the lane taken")
-        placed(waiting, 2)
+        placed(waiting, 2, PROMPT)
         queued = waiting.request(2, 8)
         waiting.until(lambda: daemon.sched_stats().queue_depth[0] == 1, 5.0, "the second one queued")
         started = time.monotonic()
@@ -271,7 +266,7 @@ def test_a_worker_that_cannot_start_leaves_no_generation_counted(node, monkeypat
 
     monkeypatch.setattr(threading.Thread, "start", no_worker)
     with FleetHead.connect(node.addr) as head:
-        placed(head, 1)
+        placed(head, 1, PROMPT)
         head.request(1, 8)
         assert head.closed_by_node(5.0)
     assert isinstance(node.outcome(), GenerationError)

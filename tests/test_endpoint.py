@@ -147,8 +147,7 @@ def test_frames_that_follow_the_hello_in_the_same_read_are_kept():
     head, node = unix_pair()
     head.send(msg_type.TELEMETRY, TelemetryMsg(spans=b"before"))
     head.send(msg_type.HELLO, Hello(proto_versions=(2, 3), link_role=LinkRole.HeadDaemon))
-    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))
-    time.sleep(0.05)
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=3, epoch=1))  # in the socket on return
     node.answer_hello_as_agent(ackf(), b"", TIMEOUT)
     messages = messages_until(node, msg_type.LEASE_RENEW)
     assert [m.msg_type for m in messages] == [msg_type.LEASE_RENEW]
@@ -296,14 +295,12 @@ def test_hear_within_lets_the_peer_wait_until_the_waker_or_the_limit_then_reads_
     handshake(head, node)
     waker = Waker()
     node.wake_on(waker)
-    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=1))
-    time.sleep(0.05)  # the frame is there before the pump begins
+    head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=1, epoch=1))  # there before the pump begins
     t0 = time.monotonic()
     (message,) = node.pump(TIMEOUT, hear_within=0.3)
     assert time.monotonic() - t0 >= 0.25, "the peer's bytes must not end the wait"
     assert message.msg == LeaseRenewMsg(session_id=1, epoch=1)
     head.send(msg_type.LEASE_RENEW, LeaseRenewMsg(session_id=2, epoch=1))
-    time.sleep(0.05)
     waker.set()
     t0 = time.monotonic()
     (message,) = node.pump(TIMEOUT, hear_within=TIMEOUT)

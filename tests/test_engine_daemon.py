@@ -9,15 +9,15 @@ import time
 
 import numpy as np
 import pytest
+from helpers import greedy
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.daemon import GenExtras, ModelLoadError, StageError, StageHidden, StageToken
+from nodeagent.daemon import ModelLoadError, StageError, StageHidden, StageToken
 from nodeagent.engine import open_engine
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
 from nodeagent.engine.torch_engine import TorchDaemon, scheduler_threads, serving_threads
-from proto.params import GenParams
 
 CPU = torch.device("cpu")
 
@@ -27,10 +27,6 @@ def builtin():
     daemon = open_engine("torch", "builtin", device="cpu", max_batch=4, kv_budget_mb=64)
     yield daemon
     daemon.close()
-
-
-def generate(daemon, prompt, n=8):
-    return daemon.generate_tokens_streaming(prompt, GenParams(), n, 0, GenExtras(), lambda b: True).tokens
 
 
 def test_builtin_is_small_fast_to_build_and_always_the_same():
@@ -55,9 +51,9 @@ def test_builtin_daemon_describes_itself_and_generates(builtin):
         builtin.summary(),
     )
     assert int(described.group(1)) == torch.get_num_threads()
-    tokens = generate(builtin, [1, 450, 4996, 17354])
+    tokens = greedy(builtin, [1, 450, 4996, 17354], 8)
     assert len(tokens) == 8 and all(0 <= t < 32000 for t in tokens)
-    assert generate(builtin, [1, 450, 4996, 17354]) == tokens
+    assert greedy(builtin, [1, 450, 4996, 17354], 8) == tokens
 
 
 def test_stage_zero_layers_is_the_embedding_on_the_wire(builtin):
@@ -71,7 +67,7 @@ def test_stage_zero_layers_is_the_embedding_on_the_wire(builtin):
 def test_stage_chain_of_several_hops_gives_the_whole_token(builtin):
     prompt = [1, 450, 4996, 17354, 1701, 29916]
     whole = builtin.forward_stage(prompt, 0, 10, None)
-    assert whole == StageToken(generate(builtin, prompt, 1)[0])
+    assert whole == StageToken(greedy(builtin, prompt, 1)[0])
     hidden = builtin.forward_stage(prompt, 0, 3, None).data
     hidden = builtin.forward_stage([], 3, 7, hidden).data
     assert len(hidden) == len(prompt) * BUILTIN_CONFIG.hidden_size * 4
@@ -99,13 +95,13 @@ def test_stage_rejects_what_it_cannot_run(builtin, tokens, start, end, hidden, m
 
 def test_stage_forwards_alongside_generations_leave_them_intact(builtin):
     prompts = [[i, i + 1, i + 2] for i in range(10, 14)]
-    expected = [generate(builtin, p, 24) for p in prompts]
+    expected = [greedy(builtin, p, 24) for p in prompts]
     stage_token = builtin.forward_stage(prompts[0], 0, 10, None)
     results: list = [None] * 4
     stages: list = []
 
     def gen(i):
-        results[i] = generate(builtin, prompts[i], 24)
+        results[i] = greedy(builtin, prompts[i], 24)
 
     threads = [threading.Thread(target=gen, args=(i,)) for i in range(4)]
     for thread in threads:
@@ -129,7 +125,7 @@ def test_dtype_flag_picks_the_weights_precision():
     try:
         assert daemon.model.dtype == torch.bfloat16
         assert "(builtin, cpu bf16)" in daemon.summary() and "weights 34 MB" in daemon.summary()
-        assert len(generate(daemon, [1, 2, 3], 4)) == 4
+        assert len(greedy(daemon, [1, 2, 3], 4)) == 4
     finally:
         daemon.close()
 
@@ -168,7 +164,7 @@ def test_the_scheduler_thread_takes_its_own_thread_count():
     model.logits = lambda x, greedy=False: seen.append(torch.get_num_threads()) or logits(x, greedy)
     daemon = TorchDaemon(model, "builtin", max_batch=1, kv_blocks=64, threads=1)
     try:
-        assert len(generate(daemon, [1, 2, 3], 2)) == 2
+        assert len(greedy(daemon, [1, 2, 3], 2)) == 2
         assert seen and set(seen) == {1}, "the forward ran on the scheduler's count, not the caller's 3"
         assert "1 CPU thread," in daemon.summary()
     finally:

@@ -8,6 +8,7 @@ import dataclasses
 import threading
 
 import pytest
+from helpers import greedy
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tinymodel import TINY
 
-from nodeagent.daemon import GenExtras, ModelLoadError
+from nodeagent.daemon import ModelLoadError
 from nodeagent.engine import quant
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
@@ -25,7 +26,6 @@ from nodeagent.engine.linear import Linear
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.quant import WeightFormatError, choose_format
 from nodeagent.engine.torch_engine import TorchDaemon
-from proto.params import GenParams
 
 CPU = torch.device("cpu")
 KERNELS = quant.kernel_speedups()
@@ -189,15 +189,11 @@ def causal_greedy(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def generate(daemon: TorchDaemon, prompt: list[int], n: int) -> list[int]:
-    return list(daemon.generate_tokens_streaming(prompt, GenParams(), n, 0, GenExtras(), lambda b: True).tokens)
-
-
 def in_threads(daemon: TorchDaemon, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        results[i] = generate(daemon, prompts[i], lengths[i])
+        results[i] = greedy(daemon, prompts[i], lengths[i])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -236,8 +232,8 @@ def test_a_preempted_int4_lane_resumes_to_the_same_tokens(int4_model):
 def test_a_prefix_cache_hit_on_int4_weights_changes_no_token(int4_model):
     daemon = TorchDaemon(int4_model, "tiny", max_batch=1, kv_blocks=64)
     try:
-        first = generate(daemon, list(range(30, 70)), 10)
-        again = generate(daemon, list(range(30, 70)) + first + [5, 6], 10)
+        first = greedy(daemon, list(range(30, 70)), 10)
+        again = greedy(daemon, list(range(30, 70)) + first + [5, 6], 10)
         assert daemon._scheduler.reused_tokens >= 32
     finally:
         daemon.close()

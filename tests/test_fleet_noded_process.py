@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from polling import wait_until
 
 from conformance.head import FleetHead
 from conformance.raw import hung_up, raw_connect, raw_frame
@@ -174,8 +175,8 @@ def test_one_source_holds_at_most_16_handshakes_and_a_head_still_gets_in(noded, 
     node = noded(*MOCK, "--auth-file", str(tmp_path / "token"), "--handshake-timeout-ms", "1500")
     socks = [raw_connect(node.addr) for _ in range(70)]
     try:
-        time.sleep(0.5)
         # The newest 16 are held; each newcomer let the oldest of its source go.
+        assert wait_until(lambda: sum(map(closed_now, socks[:54])) == 54)
         assert [closed_now(s) for s in socks] == [True] * 54 + [False] * 16
         with FleetHead.connect(node.addr, auth=b"tok", timeout=1) as head:
             assert head.node.node_identity == node.identity

@@ -151,7 +151,6 @@ def test_the_node_redials_a_restarted_head_after_the_back_off(noded, heads):
     head.close()
     gone = time.monotonic()
     node.wait_line(r"^superfluid-noded: dialing again in 2 s$")
-    time.sleep(0.5)
     restarted = heads(port=head.port)
     lanes = restarted.wait_heads(2)
     waited = min(restarted.accepted_at) - gone

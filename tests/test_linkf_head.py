@@ -4,13 +4,12 @@ of linkf_e2e.rs / linkf_tcp.rs over real endpoints."""
 import threading
 
 import pytest
-from linkpairs import tcp_pair, unix_pair
+from linkpairs import ackf, tcp_pair, unix_pair
 from polling import TIMEOUT
 
 from conformance.wal import WalStub
 from linkf import AgentSession, HeadSession, SelfFence
 from proto import postcard
-from proto.handshake import CapacitySummary, HelloAckF, LinkFLimits
 from proto.linkf import (
     GenerationBudgetsMsg,
     Lease,
@@ -145,19 +144,9 @@ def test_wal_flags_a_gap_or_a_duplicate():
 # End to end, over socketpairs and loopback TCP (linkf_e2e.rs, linkf_tcp.rs)
 
 
-def ackf():
-    return HelloAckF(
-        chosen_version=1,
-        node_identity="node-a",
-        capacity=CapacitySummary(max_sessions=8, max_context_tokens=4096),
-        loadable_models=["mock"],
-        limits=LinkFLimits(max_frame=16 << 20, transfer_window=4, max_transfer=1 << 24, transfer_budget=1 << 26),
-    )
-
-
 def connect(make):
     head, node = make()
-    t = threading.Thread(target=node.answer_hello_as_agent, args=(ackf(), b"", TIMEOUT), daemon=True)
+    t = threading.Thread(target=node.answer_hello_as_agent, args=(ackf("node-a"), b"", TIMEOUT), daemon=True)
     t.start()
     assert head.hello_as_head(b"", TIMEOUT).node_identity == "node-a"
     t.join(TIMEOUT)

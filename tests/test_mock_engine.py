@@ -151,7 +151,7 @@ def test_the_delay_holds_a_generation_open_and_close_ends_it():
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", generate(daemon, list(range(40)), 10_000)))
     t.start()
-    time.sleep(0.3)
+    assert wait_until(lambda: daemon.sched_stats().decode_tokens >= 3)
     stats = daemon.sched_stats()
     assert stats.lanes_active == 1 and 3 <= stats.pool_blocks_used <= 4  # 40 tokens + a few: 3 pages
     daemon.close()
@@ -181,7 +181,7 @@ def test_lanes_beyond_max_wait_in_the_queue():
     threads = [threading.Thread(target=generate, args=(daemon, [i + 1], 15)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.1)
+    assert wait_until(lambda: daemon.sched_stats().queue_depth[0] == 2)
     stats = daemon.sched_stats()
     assert stats.lanes_active == 1 and stats.queue_depth[0] == 2
     for t in threads:
