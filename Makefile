@@ -53,9 +53,10 @@ torch-floor:
 	python3 -m venv .venv-floor
 	.venv-floor/bin/python -m pip install -q "torch==$(TORCH_FLOOR)" -e '.[test]'
 	.venv-floor/bin/python -c 'import torch; assert torch.__version__.startswith("$(TORCH_FLOOR)"), torch.__version__'
-	.venv-floor/bin/python -m pytest -q tests/test_engine_parity.py tests/test_engine_sampling.py \
-		tests/test_engine_scheduler.py tests/test_engine_daemon.py tests/test_engine_loader.py \
-		tests/test_engine_kv.py tests/test_agent_torch_stage.py
+	.venv-floor/bin/python -m pytest -q tests/nodeagent/engine/test_engine_parity.py tests/nodeagent/engine/test_engine_sampling.py \
+		tests/nodeagent/engine/test_engine_scheduler.py tests/nodeagent/engine/test_engine_daemon.py \
+		tests/nodeagent/engine/test_engine_loader.py tests/nodeagent/engine/test_engine_kv.py \
+		tests/nodeagent/test_agent_torch_stage.py
 
 clean:
 	rm -rf .venv .venv-floor .pytest_cache .hypothesis .mypy_cache .ruff_cache

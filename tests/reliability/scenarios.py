@@ -1,6 +1,6 @@
 """The rows of `make reliability`: each runs one `superfluid-noded` process under one kind of
 load or fault and measures what the table shows. Every row's size is a parameter: the full
-sizes are in `run.py`, the short ones in `tests/test_reliability_short.py`. Traffic goes to
+sizes are in `run.py`, the short ones in `tests/e2e/test_reliability_short.py`. Traffic goes to
 127.0.0.1 only.
 """
 
@@ -16,7 +16,7 @@ from engine_faults import die, hang, oom, raise_
 from harness import Measured, Row, WatchedNode, warm_up
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_postcard_hypothesis import structs
+from strategies import structs
 
 from conformance.head import FleetHead, Generation
 from conformance.raw import RawLink, hung_up, raw_connect, raw_frame

@@ -1,6 +1,6 @@
 """`superfluid-noded` start-up: flags, exit codes and the stderr lines tools scrape.
 
-Each case runs the real process; none needs a head. Serving is in test_fleet_noded_process.py.
+Each case runs the real process; none needs a head. Serving is in tests/e2e/test_noded_process.py.
 """
 
 import logging

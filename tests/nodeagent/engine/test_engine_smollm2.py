@@ -16,7 +16,7 @@ from nodeagent.daemon import GenExtras
 from proto.models import ALIASES, AliasUnavailable, alias_path
 from proto.params import GenParams
 
-VECTORS = json.loads((Path(__file__).parent / "vectors" / "smollm2.json").read_text())
+VECTORS = json.loads((Path(__file__).resolve().parents[2] / "vectors" / "smollm2.json").read_text())
 ALIAS = VECTORS["alias"]
 
 try:

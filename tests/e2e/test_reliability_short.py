@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "reliability"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 
 import scenarios  # noqa: E402
 from harness import table  # noqa: E402

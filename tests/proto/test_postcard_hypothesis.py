@@ -12,48 +12,13 @@ from proto import linkf
 from proto import postcard as pc
 from proto.linkf import PAYLOAD_TYPES
 from proto.postcard import PostcardError, from_bytes, to_bytes
+from strategies import structs
 
 STRUCTS = sorted(
     {*PAYLOAD_TYPES.values(), GenParams}
     | {v for v in vars(linkf).values() if isinstance(v, type) and dataclasses.is_dataclass(v)},
     key=lambda c: c.__name__,
 )
-SCALARS = {
-    "u8": st.integers(0, 0xFF),
-    "u16": st.integers(0, 0xFFFF),
-    "u32": st.integers(0, 0xFFFFFFFF),
-    "u64": st.integers(0, (1 << 64) - 1),
-    "bool": st.booleans(),
-    "f32": st.floats(width=32, allow_nan=False),
-    "String": st.text(max_size=12),
-    "Vec<u8>": st.binary(max_size=24),
-    "[u8; 32]": st.binary(min_size=32, max_size=32),
-    "()": st.none(),
-}
-
-
-def values(annotation):
-    """Values of any wire type, with lists kept short."""
-    w = pc.wire_type(annotation)
-    if w.name in SCALARS:
-        return SCALARS[w.name]
-    if isinstance(w, pc._VecType):
-        return st.lists(values(w.elem), max_size=3)
-    if isinstance(w, pc._OptionType):
-        return st.none() | values(w.inner)
-    if isinstance(w, pc._TupleType):
-        return st.tuples(*map(values, w.elems))
-    if isinstance(w, pc._UnitEnum):
-        return st.sampled_from(w.members)
-    if isinstance(w, pc._DataEnum):
-        return st.one_of([structs(v) for v in w.variants])
-    return structs(w.cls)
-
-
-def structs(cls):
-    return st.builds(cls, **{f.name: values(f.type) for f in dataclasses.fields(cls)})
-
-
 @pytest.mark.parametrize("cls", STRUCTS, ids=lambda c: c.__name__)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())

@@ -9,7 +9,7 @@ from proto.params import GenParams
 from proto.linkf import ALL, PAYLOAD_TYPES
 from proto.postcard import U16, U32, Vec, from_bytes, to_bytes, to_plain
 
-RECORDS = cbor2.loads((Path(__file__).parent / "vectors" / "linkf.cbor").read_bytes())
+RECORDS = cbor2.loads((Path(__file__).resolve().parents[1] / "vectors" / "linkf.cbor").read_bytes())
 BARE_TYPES = {"u16": U16, "Vec<u32>": Vec[U32], "GenParams": GenParams}
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from nodeagent import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
 UNIT = DEPLOY / "superfluid-noded.service"
