@@ -437,7 +437,7 @@ class Scheduler:
             gen.held_since = (gen.held_since or now) if gen.held_back() else None
         with self._cond:
             waiting = sum(not g.held_back() for q in self._queues for g in q)
-        short = waiting - sum(g is None for g in self._lanes)
+        short = waiting - len(self._free_lanes())
         if short <= 0:
             return
         held = [g for g in self._running() if g.held_since is not None and now - g.held_since >= HELD_YIELD_S]
@@ -448,14 +448,18 @@ class Scheduler:
     def _admit(self) -> None:
         """Start queued generations by QoS class, passing over those held back by their caller;
         a head that cannot get its blocks waits."""
-        room = self._lane_cap - len(self._running())
-        free_lanes = [i for i, g in enumerate(self._lanes) if g is None][: max(room, 0)]
+        free_lanes = self._free_lanes()
         for q in self._queues:
             for gen in [g for g in q if not g.held_back()]:
                 if not free_lanes or not self._start(gen, free_lanes[0]):
                     return
                 q.remove(gen)
                 free_lanes.pop(0)
+
+    def _free_lanes(self) -> list[int]:
+        """The lanes a generation may take now: the empty ones, within the lane cap."""
+        room = max(self._lane_cap - len(self._running()), 0)
+        return [i for i, g in enumerate(self._lanes) if g is None][:room]
 
     def _start(self, gen: Generation, lane: int) -> bool:
         """Give `gen` the lane and the blocks of what it must prefill, reusing cached ones;
