@@ -11,6 +11,7 @@ import torch
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.loader import checked
 from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.shard import Shard, sharded
 
 BUILTIN_NAME = "builtin"
 CPU = torch.device("cpu")
@@ -94,7 +95,11 @@ def random_model(
 
 
 def builtin_model(
-    dtype: torch.dtype, device: torch.device, weights: WeightFormat = WeightFormat.FLOAT
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: WeightFormat = WeightFormat.FLOAT,
+    shard: Shard | None = None,
 ) -> LlamaModel:
-    """The embedded default model, the same on every start."""
-    return random_model(BUILTIN_CONFIG, BUILTIN_SEED, dtype, device, weights)
+    """The embedded default model (`shard`'s share of it), the same on every start."""
+    config, source = sharded(BUILTIN_CONFIG, DictSource(random_tensors(BUILTIN_CONFIG, BUILTIN_SEED)), shard, "builtin")
+    return LlamaModel.from_source(config, source, dtype, device, weights)

@@ -20,6 +20,7 @@ from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.loader import Progress, check_config, checked, refuse_unused
 from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.shard import Shard, sharded
 from nodeagent.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_header
 
 #: GGUF architectures whose tensors and maths are our decoder's, and whether llama.cpp's
@@ -65,11 +66,14 @@ def load_gguf(
     dtype: torch.dtype,
     device: torch.device,
     weights: WeightFormat = WeightFormat.FLOAT,
+    shard: Shard | None = None,
 ) -> LlamaModel:
-    """Read the GGUF file at `path` onto `device`; raises ModelLoadError on any problem."""
+    """Read the GGUF file at `path` (`shard`'s share of it) onto `device`; raises
+    ModelLoadError on any problem."""
     source = GGUFSource(Path(path))
     try:
-        model = LlamaModel.from_source(source.config, source, dtype, device, weights)
+        local, reader = sharded(source.config, source, shard, Path(path).name)
+        model = LlamaModel.from_source(local, reader, dtype, device, weights)
         refuse_unused(str(path), source.names(), source.used, source.config)
         return model
     finally:

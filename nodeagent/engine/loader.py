@@ -19,6 +19,7 @@ from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.rope import RopeScalingError, inv_frequencies
+from nodeagent.engine.shard import Shard, sharded
 
 INDEX_FILE = "model.safetensors.index.json"
 #: Decoders whose tensors and maths are exactly Llama's (Qwen2 adds q/k/v biases).
@@ -43,8 +44,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     weights: WeightFormat = WeightFormat.FLOAT,
+    shard: Shard | None = None,
 ) -> LlamaModel:
-    """Read the checkpoint at `path` onto `device`; raises ModelLoadError on any problem."""
+    """Read the checkpoint at `path` (`shard`'s share of it) onto `device`; raises
+    ModelLoadError on any problem."""
     directory = Path(path)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {str(directory)!r} does not exist")
@@ -52,7 +55,8 @@ def load_model(
     config = config_from_hf(raw, _generation_eos(directory))
     source = SafetensorsSource(directory)
     try:
-        model = LlamaModel.from_source(config, source, dtype, device, weights)
+        local, reader = sharded(config, source, shard, directory.name)
+        model = LlamaModel.from_source(local, reader, dtype, device, weights)
         refuse_unused(str(directory), source.names(), source.used, config)
         return model
     finally:

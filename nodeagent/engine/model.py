@@ -99,6 +99,8 @@ class LlamaModel:
         self.inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         self._q_width = config.n_heads * config.head_dim
         self._qk_width = (config.n_heads + config.n_kv_heads) * config.head_dim
+        #: Under tensor parallelism, sums the ranks' partial o and down outputs (an all-reduce).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.set_context(min(config.max_position_embeddings, 2048))
 
     @property
@@ -161,10 +163,13 @@ class LlamaModel:
         rotate_in_place(qkv[..., : self._qk_width].unflatten(-1, (-1, c.head_dim)), freqs)
         q = qkv[..., : self._q_width].unflatten(-1, (c.n_heads, c.head_dim))
         kv = qkv[..., self._q_width :].view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
-        x = x + w.o(attend(index, q, kv))
+        x = x + self._summed(w.o(attend(index, q, kv)))
         h = F.rms_norm(x, (c.hidden_size,), w.post_norm, c.rms_norm_eps)
         gate, up = w.gate_up(h).chunk(2, dim=-1)
-        return x + w.down(F.silu(gate) * up)
+        return x + self._summed(w.down(F.silu(gate) * up))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.reduce is None else self.reduce(partial)
 
     def weight_bytes(self) -> int:
         """The bytes the weights take (a tied lm_head is the embedding, counted once)."""

@@ -29,7 +29,9 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -80,6 +82,52 @@ class Activity:
 
     def describe(self, now: float) -> str:
         return f"a {self.kind} over {self.lanes} lane(s), running for {now - self.since:.1f} s"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's input: each lane's new tokens [B,W] (padded), how many are real [B], the
+    position of the first [B], and its block table [B,NB]. Under tensor parallelism rank 0
+    sends it to the other ranks, which run the same step on their shards."""
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    starts: torch.Tensor
+    blocks: torch.Tensor
+
+
+class Followers(Protocol):
+    """The other tensor-parallel ranks: each step rank 0 runs, they run on their shards."""
+
+    def send_forward(self, batch: Batch) -> None: ...
+
+
+def forward_batch(model: LlamaModel, pool: KVPool, arange: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Runs `batch` through every layer, writing its K/V into `pool`; the hidden state [B,D] at
+    each lane's last token. `arange` is 0, 1, 2, ... on the model's device, long enough."""
+    width, n_blocks = batch.tokens.shape[1], batch.blocks.shape[1]
+    positions = batch.starts[:, None] + arange[:width]
+    block_index = (positions // BLOCK_TOKENS).clamp(max=n_blocks - 1)
+    write = batch.blocks.gather(1, block_index) * BLOCK_TOKENS + positions % BLOCK_TOKENS
+    if width > 1:
+        valid = arange[:width] < batch.counts[:, None]
+        write = write.masked_fill(~valid, pool.scratch_slot)
+        positions = positions.masked_fill(~valid, 0)
+    mask = model.attention_mask(positions, n_blocks * BLOCK_TOKENS)
+    write = write.reshape(-1)
+
+    def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
+        keys, values = pool.read(layer, batch.blocks)
+        return grouped_attention(q, keys, values, mask)
+
+    x = model.embed(batch.tokens)
+    freqs = model.rope(positions)
+    for layer in range(model.config.n_layers):
+        x = model.layer(layer, x, freqs, attend)
+    if width == 1:
+        return x[:, 0]
+    return x[torch.arange(x.shape[0], device=x.device), batch.counts - 1]
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -199,8 +247,10 @@ class Scheduler:
         threads: int | None = None,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_MS / 1000,
         faults: Failpoints | None = None,
+        tensor_parallel: Followers | None = None,
     ):
-        """`stall_timeout_s` 0 runs no watchdog; `faults` are the failpoints to fire."""
+        """`stall_timeout_s` 0 runs no watchdog; `faults` are the failpoints to fire;
+        `tensor_parallel`, the other ranks each step is sent to."""
         self.model = model
         self.threads = threads
         self.pool = pool
@@ -226,12 +276,15 @@ class Scheduler:
         self.preemptions = 0
         self.stall_timeout_s = stall_timeout_s
         self._faults = faults
+        self.tensor_parallel = tensor_parallel
         #: What the thread is doing now (None: waiting for work), written under `_cond`.
         self._activity: Activity | None = None
         #: The activity the watchdog found stalled, until it ends.
         self._stall: Activity | None = None
         #: Why the thread died, once it has.
         self._failed: BaseException | None = None
+        #: Work `call` hands the thread: each job and where its answer goes.
+        self._jobs: collections.deque[tuple[Callable[[], Any], queue.Queue]] = collections.deque()
         #: Lanes the scheduler fills: fewer than `max_batch` for a while after running out of memory.
         self._lane_cap = max_batch
         self._calm_steps = 0
@@ -246,14 +299,56 @@ class Scheduler:
     def submit(self, gen: Generation) -> None:
         """Queues `gen`; EngineFault while the engine is stalled, failed or closed."""
         with self._cond:
-            if self._failed is not None:
-                raise EngineFault(f"the engine failed: {self._failed}")
-            if self._stall is not None:
-                raise EngineFault("the engine is stalled")
-            if self._stopping:
-                raise EngineFault("the engine is closed")
+            self._refuse_if_down()
             self._queues[gen.qos].append(gen)
             self._cond.notify()
+
+    def call(self, job: Callable[[], Any]) -> Any:
+        """Runs `job` on the scheduler thread between two steps; what it returns or raises.
+        Under tensor parallelism every collective must come from that one thread, in order."""
+        done: queue.Queue = queue.Queue(maxsize=1)
+        with self._cond:
+            self._refuse_if_down()
+            self._jobs.append((job, done))
+            self._cond.notify()
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def fail(self, reason: str) -> None:
+        """The engine cannot go on (a tensor-parallel rank died): every generation and job ends
+        with an error now, whatever the scheduler thread is doing, and new ones are refused."""
+        with self._cond:
+            if self._failed is not None:
+                return
+            self._failed = EngineFault(reason)
+            running, queued = self._abandon_all(reason)
+            self._cond.notify()
+        log.critical(f"torch engine: {reason}; ended {running} running and {queued} queued generation(s)")
+
+    def _refuse_if_down(self) -> None:
+        if self._failed is not None:
+            raise EngineFault(f"the engine failed: {self._failed}")
+        if self._stall is not None:
+            raise EngineFault("the engine is stalled")
+        if self._stopping:
+            raise EngineFault("the engine is closed")
+
+    def _abandon_all(self, message: str) -> tuple[int, int]:
+        """Under `_cond`, from any thread: every running generation is told `message` and left
+        for the scheduler thread to free; every queued one and every job ends. The counts."""
+        running = self._running()
+        for gen in running:
+            gen.abandoned = True
+            gen.out.put((ERROR, message))
+        queued = [self._queues[q].popleft() for q in range(QOS_CLASSES) for _ in range(len(self._queues[q]))]
+        for gen in queued:
+            gen.state = DONE
+            gen.out.put((ERROR, message))
+        while self._jobs:
+            self._jobs.popleft()[1].put((False, EngineFault(message)))
+        return len(running), len(queued)
 
     def cancel(self, gen: Generation) -> None:
         """Stop `gen`; a running one frees its lane and blocks at the next step."""
@@ -306,17 +401,10 @@ class Scheduler:
             if activity is None or self._stall is not None or now - activity.since < self.stall_timeout_s:
                 return
             self._stall = activity
-            running = self._running()
-            for gen in running:
-                gen.abandoned = True
-                gen.out.put((ERROR, "the engine stalled"))
-            queued = [self._queues[q].popleft() for q in range(QOS_CLASSES) for _ in range(len(self._queues[q]))]
-            for gen in queued:
-                gen.state = DONE
-                gen.out.put((ERROR, "the engine stalled"))
+            running, queued = self._abandon_all("the engine stalled")
         log.error(
             f"torch engine: stalled: {activity.describe(now)}, past the stall timeout of "
-            f"{self.stall_timeout_s:g} s; ended {len(running)} running and {len(queued)} queued "
+            f"{self.stall_timeout_s:g} s; ended {running} running and {queued} queued "
             "generation(s), refusing new ones until it returns"
         )
 
@@ -330,6 +418,7 @@ class Scheduler:
             with torch.inference_mode():
                 while self._wait_for_work():
                     self._trip(failpoints.SCHEDULER)
+                    self._run_jobs()
                     try:
                         self._iteration()
                     except Exception as e:  # a bookkeeping bug must not kill the thread silently
@@ -343,9 +432,24 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not self._stopping and not self._running() and not any(self._queues):
+            while not self._down() and not self._running() and not any(self._queues) and not self._jobs:
                 self._cond.wait()
-            return not self._stopping
+            return not self._down()
+
+    def _down(self) -> bool:
+        return self._stopping or self._failed is not None
+
+    def _run_jobs(self) -> None:
+        """Runs the jobs `call` queued, each answered with its result or its error."""
+        while True:
+            with self._cond:
+                if not self._jobs:
+                    return
+                job, done = self._jobs.popleft()
+            try:
+                done.put((True, job()))
+            except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
+                done.put((False, e))
 
     def _iteration(self) -> None:
         self._begin("scheduling pass", self._running())
@@ -399,14 +503,7 @@ class Scheduler:
         )
         with self._cond:
             self._failed = error
-            queued = [self._queues[q].popleft() for q in range(QOS_CLASSES) for _ in range(len(self._queues[q]))]
-        message = f"the engine failed: {error}"
-        for gen in self._running():
-            self._release(gen)
-            gen.out.put((ERROR, message))
-        for gen in queued:
-            gen.state = DONE
-            gen.out.put((ERROR, message))
+            self._abandon_all(f"the engine failed: {error}")
 
     def _running(self) -> list[Generation]:
         return [g for g in self._lanes if g is not None]
@@ -647,37 +744,20 @@ class Scheduler:
 
     def _forward(self, gens: list[Generation], rows: list[list[int]], counts: list[int]) -> torch.Tensor:
         """One batched forward of each lane's new tokens; logits [B,V] at each lane's last one."""
-        model, pool, device = self.model, self.pool, self.model.device
-        width = max(counts)
+        device = self.model.device
         n_blocks = blocks_for(max(g.n_cached + c for g, c in zip(gens, counts, strict=True)))
-        table = [g.blocks[:n_blocks] + [pool.scratch_block] * (n_blocks - len(g.blocks)) for g in gens]
-        blocks = torch.tensor(table, device=device)
-        starts = torch.tensor([g.n_cached for g in gens], device=device)
-        tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
-        positions = starts[:, None] + self._positions[:width]
-        block_index = (positions // BLOCK_TOKENS).clamp(max=n_blocks - 1)
-        write = blocks.gather(1, block_index) * BLOCK_TOKENS + positions % BLOCK_TOKENS
-        if width > 1:
-            valid = self._positions[:width] < torch.tensor(counts, device=device)[:, None]
-            write = write.masked_fill(~valid, pool.scratch_slot)
-            positions = positions.masked_fill(~valid, 0)
-        mask = model.attention_mask(positions, n_blocks * BLOCK_TOKENS)
-        write = write.reshape(-1)
-
-        def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
-            keys, values = pool.read(layer, blocks)
-            return grouped_attention(q, keys, values, mask)
-
-        x = model.embed(tokens)
-        freqs = model.rope(positions)
-        for layer in range(model.config.n_layers):
-            x = model.layer(layer, x, freqs, attend)
-        if width == 1:
-            last = x[:, 0]
-        else:
-            last = x[torch.arange(len(gens), device=device), torch.tensor(counts, device=device) - 1]
-        return model.logits(last, greedy=all(g.sampler.greedy for g in gens))
+        table = [g.blocks[:n_blocks] + [self.pool.scratch_block] * (n_blocks - len(g.blocks)) for g in gens]
+        width = max(counts)
+        batch = Batch(
+            tokens=torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device),
+            counts=torch.tensor(counts, device=device),
+            starts=torch.tensor([g.n_cached for g in gens], device=device),
+            blocks=torch.tensor(table, device=device),
+        )
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_forward(batch)
+        last = forward_batch(self.model, self.pool, self._positions, batch)
+        return self.model.logits(last, greedy=all(g.sampler.greedy for g in gens))
 
     def _emit(self, gen: Generation, token: int) -> None:
         if gen.abandoned:
