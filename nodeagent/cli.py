@@ -45,7 +45,7 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
 [--write-timeout-ms N] \
 [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--weights auto|float|int8|int4] \
-[--kv-budget-mb N] [--engine-stall-timeout-ms N] \
+[--kv-budget-mb N] [--engine-stall-timeout-ms N] [--tensor-parallel N] \
 [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
 [--session-retention-ms N]
@@ -67,6 +67,8 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --engine-stall-timeout-ms (torch, default {DEFAULT_STALL_TIMEOUT_MS}) marks the engine stalled
  when one step runs longer: its generations end with an error and /health answers 503 until it
  returns (0: no watchdog).
+ --tensor-parallel N (torch, default 1) splits each layer over N processes: one per CUDA device
+ (cuda:0..N-1), or N sharing the CPU's cores; the model's heads and MLP width must divide by N.
  --max-context defaults to 4096 for the mock and to what the device holds for torch, at least
  512; --max-batch (default 8) is the lanes; --drain-timeout-ms (default 30000) bounds how long
  SIGTERM waits for running generations; --token-delay-ms slows the mock, for tests;
@@ -133,6 +135,7 @@ class Options:
     weights: str = "auto"
     kv_budget_mb: int | None = None
     engine_stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS
+    tensor_parallel: int = 1
     drain_timeout_ms: int = int(DEFAULT_DRAIN_TIMEOUT_S * 1000)
     token_delay_ms: int = 0
     #: --record: each connection's frames go to a transcript file in this directory.
@@ -183,6 +186,12 @@ def _weights(v: str) -> str:
     return v
 
 
+def _ranks(v: str) -> int:
+    if not re.fullmatch(r"\+?[0-9]+", v) or not 1 <= int(v) <= 64:
+        raise ValueError("a number of processes from 1 to 64")
+    return int(v)
+
+
 def _runtime(v: str) -> str:
     if v not in RUNTIMES:
         raise ValueError(f"a runtime id: {' or '.join(RUNTIMES)}")
@@ -226,6 +235,7 @@ FLAGS = {
     "--weights": ("weights", _weights),
     "--kv-budget-mb": ("kv_budget_mb", _count),
     "--engine-stall-timeout-ms": ("engine_stall_timeout_ms", _count),
+    "--tensor-parallel": ("tensor_parallel", _ranks),
     "--drain-timeout-ms": ("drain_timeout_ms", _count),
     "--token-delay-ms": ("token_delay_ms", _count),
     "--record": ("record", str),
@@ -502,6 +512,7 @@ def load(opts: Options, runtime: str):
             token_delay_s=opts.token_delay_ms / 1000,
             stall_timeout_ms=opts.engine_stall_timeout_ms,
             faults=faults,
+            tensor_parallel=opts.tensor_parallel,
         )
     except Exception as e:  # noqa: BLE001 - whatever stops the load, the node cannot serve
         log.debug("model load failed", exc_info=True)

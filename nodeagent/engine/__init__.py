@@ -21,14 +21,19 @@ def open_engine(
     threads: int | None = None,
     stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
     faults: Failpoints | None = None,
+    tensor_parallel: int = 1,
 ) -> Daemon:
     """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
 
     `token_delay_s` slows the mock's every step, so tests can hold a generation open. The
-    stall timeout and the failpoints are the torch engine's: the mock has no scheduler thread.
+    stall timeout, the failpoints and tensor parallelism are the torch engine's: the mock has no
+    scheduler thread and no layers to split.
     """
     if runtime == "mock":
         from nodeagent.engine.mock import MOCK_WINDOW, MockDaemon
+
+        if tensor_parallel > 1:
+            raise ValueError("tensor parallelism needs the torch runtime; the mock has no layers to split")
 
         return MockDaemon(
             max_context=max_context or MOCK_WINDOW, max_lanes=max_batch, token_delay_s=token_delay_s
@@ -47,5 +52,6 @@ def open_engine(
             threads=threads,
             stall_timeout_ms=stall_timeout_ms,
             faults=faults,
+            tensor_parallel=tensor_parallel,
         )
     raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")

@@ -178,6 +178,10 @@ class LlamaModel:
             parts.append(self.lm_head)
         return sum(_nbytes(p) for p in parts if p is not None)
 
+    def layer_bytes(self) -> int:
+        """The bytes of the decoder layers alone: what tensor parallelism splits."""
+        return sum(_nbytes(p) for w in self.layers for p in vars(w).values() if p is not None)
+
     def attention_mask(self, q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
         """[B,1,C,n_keys] bool, True where a query at q_positions [B,C] sees key position k:
         k <= q, and with a sliding window also k > q - window."""

@@ -47,6 +47,8 @@ from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.quant import Quantization, WeightFormatError, choose_format
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
+from nodeagent.engine.shard import Shard
+from nodeagent.engine.tensor_parallel import ShardSpec, TensorParallel, free_port
 from nodeagent.failpoints import Failpoints
 from nodeagent.heap import return_free_memory
 from proto import finish
@@ -81,7 +83,10 @@ class TorchDaemon(Daemon):
         threads: int | None = None,
         stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
         faults: Failpoints | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ):
+        """`model` is rank 0's shard when `tensor_parallel` holds the other ranks, which this
+        forms into a group once the KV pool's size is known."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.model = model
@@ -101,6 +106,9 @@ class TorchDaemon(Daemon):
             )
             kv_blocks = blocks_for(self.context)
         model.set_context(self.context)
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            tensor_parallel.form(model, kv_blocks, self.context)
         pool = KVPool(
             model.config.n_layers,
             model.config.n_kv_heads,
@@ -111,8 +119,10 @@ class TorchDaemon(Daemon):
         )
         self._scheduler = Scheduler(
             model, pool, max_batch, self.context, prefill_chunk, prefix_cache, threads,
-            stall_timeout_s=stall_timeout_ms / 1000, faults=faults,
+            stall_timeout_s=stall_timeout_ms / 1000, faults=faults, tensor_parallel=tensor_parallel,
         )
+        if tensor_parallel is not None:
+            tensor_parallel.watch(self._scheduler.fail)
 
     @classmethod
     def load(
@@ -128,32 +138,41 @@ class TorchDaemon(Daemon):
         threads: int | None = None,
         stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
         faults: Failpoints | None = None,
+        tensor_parallel: int = 1,
     ) -> TorchDaemon:
-        """Open `model` ("builtin" or a checkpoint directory); raises ModelLoadError."""
+        """Open `model` ("builtin" or a checkpoint directory), split over `tensor_parallel`
+        processes when more than 1; raises ModelLoadError."""
         dev = _resolve_device(device)
         floats = _resolve_dtype(dtype, dev)
+        group: TensorParallel | None = None
         try:
             path, name = _resolve_model(model)
             if weights not in WEIGHTS:
                 raise ModelLoadError(f"unknown weights format {weights!r}; expected one of {', '.join(WEIGHTS)}")
             quantization = choose_format(WeightFormat(weights), dev, _file_bits(path))
-            if path == BUILTIN_NAME:
-                loaded = builtin_model(floats, dev, quantization.format)
-            elif is_gguf(path):
-                loaded = load_gguf(path, floats, dev, quantization.format)
-            else:
-                loaded = load_model(path, floats, dev, quantization.format)
+            if tensor_parallel > 1:
+                threads = max(1, (threads or torch.get_num_threads()) // tensor_parallel)
+                spec = ShardSpec(
+                    path, str(floats).removeprefix("torch."), quantization.format.value, dev.type,
+                    tensor_parallel, threads, free_port(),
+                )
+                group = TensorParallel.launch(spec, load_shard)
+            shard = Shard(0, tensor_parallel) if group is not None else None
+            loaded = _load_weights(path, floats, dev, quantization.format, shard)
             return_free_memory()
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
             return cls(
                 loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks,
                 quantization=quantization, threads=threads, stall_timeout_ms=stall_timeout_ms, faults=faults,
+                tensor_parallel=group,
             )
-        except WeightFormatError as e:
-            raise ModelLoadError(str(e)) from None
-        except ModelLoadError:
-            raise
-        except Exception as e:  # out of memory, a tensor torch cannot convert, ...
+        except BaseException as e:
+            if group is not None:
+                group.close(healthy=False)
+            if isinstance(e, WeightFormatError):
+                raise ModelLoadError(str(e)) from None
+            if isinstance(e, (ModelLoadError, KeyboardInterrupt)):
+                raise
             raise ModelLoadError(f"cannot load model {model!r}: {e}") from e
 
     # -- generations ---------------------------------------------------------------------------
@@ -204,12 +223,21 @@ class TorchDaemon(Daemon):
             raise StageError(
                 f"layer range [{start_layer}, {end_layer}) is not within the model's {n_layers} layers"
             )
+        if self.tensor_parallel is not None:
+            return self._scheduler.call(lambda: self._stage(tokens, start_layer, end_layer, hidden_in))
         with torch.inference_mode():
-            x = self._stage_input(tokens, start_layer, hidden_in)
-            x = self.model.run_causal(x, start_layer, end_layer)
-            if end_layer == n_layers:
-                return StageToken(int(self.model.logits(x[0, -1], greedy=True).argmax()))
-            return StageHidden(x[0].float().cpu().numpy().astype("<f4").tobytes())
+            return self._stage(tokens, start_layer, end_layer, hidden_in)
+
+    def _stage(self, tokens: Sequence[int], start: int, end: int, hidden_in: bytes | None) -> StageOutput:
+        """Layers [start, end) on the stage's input; under tensor parallelism, on the scheduler
+        thread, with every rank."""
+        x = self._stage_input(tokens, start, hidden_in)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_stage(x, start, end)
+        x = self.model.run_causal(x, start, end)
+        if end == self.model.config.n_layers:
+            return StageToken(int(self.model.logits(x[0, -1], greedy=True).argmax()))
+        return StageHidden(x[0].float().cpu().numpy().astype("<f4").tobytes())
 
     def _stage_input(self, tokens: Sequence[int], start: int, hidden_in: bytes | None) -> torch.Tensor:
         """The stage's input hidden state [1,N,D]: embedded tokens, or decoded wire bytes."""
@@ -267,13 +295,22 @@ class TorchDaemon(Daemon):
         return f"{n} CPU thread{'s' if n > 1 else ''}, "
 
     def _memory(self) -> str:
-        """What the weights and the KV pool take and what the device has left."""
+        """What the weights and the KV pool take (each rank, under tensor parallelism) and what
+        the device has left."""
         pool = self._scheduler.pool
         c = self.model.config
         block = bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, self.model.dtype)
         free = _free_bytes(self.model.device)
+        ranks = ""
+        if self.tensor_parallel is not None:
+            layers = self.model.layer_bytes()
+            ranks = (
+                f"tensor parallel over {self.tensor_parallel.spec.world} ranks "
+                f"({self.tensor_parallel.spec.backend}), each holding {_mb(layers)} of the layers "
+                f"and {_mb(self.model.weight_bytes() - layers)} replicated, and "
+            )
         return (
-            f"weights {_mb(self.model.weight_bytes())} {self.quantization.format} "
+            ranks + f"weights {_mb(self.model.weight_bytes())} {self.quantization.format} "
             f"({self.quantization.reason}), kv pool {pool.total} blocks of 16 tokens "
             f"({_mb(pool.total * block)}, taken as used), "
             + ("free memory unknown" if free is None else f"{_mb(free)} free")
@@ -290,6 +327,8 @@ class TorchDaemon(Daemon):
 
     def close(self) -> None:
         self._scheduler.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close(healthy=self.health() == EngineHealth.OK)
 
 
 def _follow(gen: Generation, on_tokens: OnTokens, extras: GenExtras) -> GenerationResult:
@@ -349,6 +388,22 @@ def _drain(out: queue.Queue, first: tuple) -> tuple[list[int], tuple | None]:
             message = out.get_nowait()
         except queue.Empty:
             return batch, None
+
+
+def _load_weights(
+    path: str, floats: torch.dtype, device: torch.device, weights: WeightFormat, shard: Shard | None
+) -> LlamaModel:
+    if path == BUILTIN_NAME:
+        return builtin_model(floats, device, weights, shard)
+    if is_gguf(path):
+        return load_gguf(path, floats, device, weights, shard)
+    return load_model(path, floats, device, weights, shard)
+
+
+def load_shard(spec: ShardSpec, rank: int) -> LlamaModel:
+    """A tensor-parallel worker's model: rank `rank`'s shard, as rank 0 loads its own."""
+    dtype, weights = getattr(torch, spec.dtype), WeightFormat(spec.weights)
+    return _load_weights(spec.model, dtype, spec.device_of(rank), weights, Shard(rank, spec.world))
 
 
 def _resolve_model(model: str) -> tuple[str, str]:
