@@ -51,8 +51,7 @@ def load_model(
     directory = Path(path)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {str(directory)!r} does not exist")
-    raw = _read_json(directory / "config.json")
-    config = config_from_hf(raw, _generation_eos(directory))
+    config = read_config(directory)
     source = SafetensorsSource(directory)
     try:
         local, reader = sharded(config, source, shard, directory.name)
@@ -61,6 +60,11 @@ def load_model(
         return model
     finally:
         source.close()
+
+
+def read_config(directory: Path) -> ModelConfig:
+    """The shape of the checkpoint in `directory`, from its config.json alone."""
+    return config_from_hf(_read_json(directory / "config.json"), _generation_eos(directory))
 
 
 def refuse_unused(where: str, names: set[str], used: set[str], config: ModelConfig) -> None:

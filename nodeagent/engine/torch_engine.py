@@ -15,6 +15,7 @@ import os
 import queue
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,16 +39,16 @@ from nodeagent.daemon import (
     StageToken,
     check_stream,
 )
-from nodeagent.engine.builtin import BUILTIN_NAME, builtin_model
+from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_NAME, builtin_model
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, WEIGHTS, WeightFormat
-from nodeagent.engine.gguf_file import load_gguf, projection_bits
+from nodeagent.engine.gguf_file import GGUFSource, load_gguf, projection_bits
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
-from nodeagent.engine.loader import load_model
-from nodeagent.engine.model import LlamaModel
+from nodeagent.engine.loader import load_model, read_config
+from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.quant import Quantization, WeightFormatError, choose_format
 from nodeagent.engine.sampling import LaneSampler
 from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, Scheduler
-from nodeagent.engine.shard import Shard
+from nodeagent.engine.shard import Shard, shard_config
 from nodeagent.engine.tensor_parallel import ShardSpec, TensorParallel, free_port
 from nodeagent.failpoints import Failpoints
 from nodeagent.heap import return_free_memory
@@ -151,6 +152,7 @@ class TorchDaemon(Daemon):
                 raise ModelLoadError(f"unknown weights format {weights!r}; expected one of {', '.join(WEIGHTS)}")
             quantization = choose_format(WeightFormat(weights), dev, _file_bits(path))
             if tensor_parallel > 1:
+                shard_config(_model_config(path), tensor_parallel, name)  # refused before any worker starts
                 threads = max(1, (threads or torch.get_num_threads()) // tensor_parallel)
                 spec = ShardSpec(
                     path, str(floats).removeprefix("torch."), quantization.format.value, dev.type,
@@ -398,6 +400,19 @@ def _load_weights(
     if is_gguf(path):
         return load_gguf(path, floats, device, weights, shard)
     return load_model(path, floats, device, weights, shard)
+
+
+def _model_config(path: str) -> ModelConfig:
+    """The model's shape, read without its weights."""
+    if path == BUILTIN_NAME:
+        return BUILTIN_CONFIG
+    if not is_gguf(path):
+        return read_config(Path(path))
+    source = GGUFSource(Path(path))
+    try:
+        return source.config
+    finally:
+        source.close()
 
 
 def load_shard(spec: ShardSpec, rank: int) -> LlamaModel:
