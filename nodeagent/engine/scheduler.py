@@ -379,13 +379,13 @@ class Scheduler:
         return EngineHealth.OK if self._stall is None else EngineHealth.STALLED
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stops the thread; a stalled one is not waited for."""
+        """Stops the thread; a stalled or failed one is not waited for."""
         self._closing.set()
         with self._cond:
             self._stopping = True
             self._cond.notify()
-            stalled = self._stall is not None
-        self._thread.join(0 if stalled else timeout)
+            stuck = self._stall is not None or self._failed is not None
+        self._thread.join(0 if stuck else timeout)
 
     # -- the watchdog thread -------------------------------------------------------------------
 

@@ -152,8 +152,10 @@ class TensorParallel:
                     return
 
     def close(self, healthy: bool = True, timeout: float = 5.0) -> None:
-        """Stops the workers: told to by a STOP step while the group works, else ended."""
+        """Stops the workers: told to by a STOP step while the group works, else killed."""
         self._closing.set()
+        if not healthy:
+            timeout = 0.0
         if healthy and all(w.is_alive() for w in self.workers) and dist.is_initialized():
             try:
                 _send_header(Step.STOP, 0, 0, 0, self.device)
@@ -165,7 +167,7 @@ class TensorParallel:
             if worker.is_alive():
                 worker.kill()
                 worker.join(1.0)
-        if dist.is_initialized():
+        if healthy and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -203,6 +205,8 @@ def follow(spec: ShardSpec, rank: int, load_shard: LoadShard, pipe: multiprocess
     0 sends until it says stop or goes away."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
     try:
         model = load_shard(spec, rank)
     except Exception as e:  # noqa: BLE001 - told to rank 0, which names this rank in its refusal

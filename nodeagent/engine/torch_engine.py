@@ -309,7 +309,7 @@ class TorchDaemon(Daemon):
             ranks = (
                 f"tensor parallel over {self.tensor_parallel.spec.world} ranks "
                 f"({self.tensor_parallel.spec.backend}), each holding {_mb(layers)} of the layers "
-                f"and {_mb(self.model.weight_bytes() - layers)} replicated, and "
+                f"and {_mb(self.model.weight_bytes() - layers)} replicated; per rank: "
             )
         return (
             ranks + f"weights {_mb(self.model.weight_bytes())} {self.quantization.format} "
