@@ -15,6 +15,7 @@ import time
 from harness import Measured, Row, WatchedNode, warm_up
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from soak import soak_mock, soak_torch
 from test_postcard_hypothesis import structs
 
 from conformance.head import FleetHead, Generation
@@ -500,4 +501,6 @@ ROWS = [
     (leases, {"sessions": 200}, {"sessions": 10}),
     (drain, {"heads": 8}, {"heads": 2}),
     (bounds, {"sessions": 10_000, "big_frames": 40}, {"sessions": 500, "big_frames": 4}),
+    (soak_mock, {"seconds": 180}, {"seconds": 10}),
+    (soak_torch, {"seconds": 300}, {"seconds": 20, "suffixes": 2}),
 ]
