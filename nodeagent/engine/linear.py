@@ -10,7 +10,9 @@ embedding table, is not packed: one copy serves both, laid out by `tied_layout`.
 oneDNN builds and keeps a primitive for every input row count it meets (its primitive cache and
 ideep's, about 0.45 MB an entry and weight shape, up to 1024 entries each), so prefill chunks of
 ever new sizes grew a node's memory for as long as it ran. A packed projection therefore pads its
-rows to one of a few sizes (`padded_rows`), which bounds those caches to a few dozen entries.
+rows to one of a few sizes (`padded_rows`), which bounds those caches to a few dozen entries,
+and the scheduler fills them for every size at its start (`warm`): the caches are per thread,
+and met one by one the rarer sizes still grew the node for many minutes.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ class Linear:
             return self._packed(x)
         flat = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
         return self._packed(flat)[:rows].view(*x.shape[:-1], self.out_features)
+
+    def warm(self, max_rows: int) -> None:
+        """Runs the projection once at each padded row count up to `max_rows` on this thread."""
+        if self.packed:
+            for rows in sorted({padded_rows(r) for r in range(1, max_rows + 1)}):
+                self._packed(torch.zeros(rows, self.in_features))
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")

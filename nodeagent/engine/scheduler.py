@@ -233,6 +233,7 @@ class Scheduler:
             # OpenMP keeps a thread count per calling thread: this sets the forward's own.
             torch.set_num_threads(self.threads)
         with torch.inference_mode():
+            self.model.warm_projections(max(self.prefill_chunk, len(self._lanes)))
             while self._wait_for_work():
                 try:
                     self._iteration()
