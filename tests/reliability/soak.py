@@ -46,7 +46,6 @@ TORCH_ARGS = ("--listen", "127.0.0.1:0", "--model", "builtin", "--kv-budget-mb",
 #: The torch soak's prompts: a prefix of 2 to 8 whole blocks shared with other prompts, then a
 #: suffix of its own; max_new tokens up to 96.
 PREFIX_BLOCKS = (2, 4, 6, 8)
-#: Prompts per prefix in the full row.
 SUFFIXES = 8
 MAX_NEW = (8, 96)
 
@@ -96,10 +95,10 @@ class TorchReference:
     by a `TorchDaemon` of this process: independent of the node's batching, preemption and
     prefix cache."""
 
-    def __init__(self, rng: random.Random, suffixes: int) -> None:
+    def __init__(self, rng: random.Random) -> None:
         prefixes = [[rng.randrange(3, 32000) for _ in range(16 * n)] for n in PREFIX_BLOCKS]
-        ends = [[rng.randrange(3, 32000) for _ in range(rng.randint(1, 24))] for _ in range(suffixes)]
-        self.prompts = [p + s for p in prefixes for s in ends]
+        suffixes = [[rng.randrange(3, 32000) for _ in range(rng.randint(1, 24))] for _ in range(SUFFIXES)]
+        self.prompts = [p + s for p in prefixes for s in suffixes]
         self._answers = self._compute(self.prompts)
 
     @staticmethod
@@ -213,14 +212,13 @@ def soak_mock(seconds: float) -> Row:
     return soak("soak, mock", MOCK_ARGS, Load(random_prompts, mock_expect), seconds)[0]
 
 
-def soak_torch(seconds: float, suffixes: int = SUFFIXES) -> Row:
-    """The soak against the builtin torch model with a small KV pool; `suffixes` prompts share
-    each prefix (their reference tokens are computed first, which takes a while)."""
-    return soak("soak, torch builtin", TORCH_ARGS, torch_load(suffixes), seconds)[0]
+def soak_torch(seconds: float) -> Row:
+    """The soak against the builtin torch model with a small KV pool."""
+    return soak("soak, torch builtin", TORCH_ARGS, torch_load(), seconds)[0]
 
 
-def torch_load(suffixes: int = SUFFIXES) -> Load:
-    reference = TorchReference(random.Random(34), suffixes)
+def torch_load() -> Load:
+    reference = TorchReference(random.Random(34))
     return Load(reference.pick, reference.expect)
 
 
