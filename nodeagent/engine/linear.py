@@ -6,6 +6,13 @@ decode faster than the MKL path of `F.linear`, and single-row decode no slower. 
 
 A packed weight is opaque (no row can be read back), so a tied lm_head, which is also the
 embedding table, is not packed: one copy serves both, laid out by `tied_layout`.
+
+oneDNN builds and keeps a primitive for every input row count it meets (its primitive cache and
+ideep's, about 0.45 MB an entry and weight shape, up to 1024 entries each), so prefill chunks of
+ever new sizes grew a node's memory for as long as it ran. A packed projection therefore pads its
+rows to one of a few sizes (`padded_rows`), which bounds those caches to a few dozen entries,
+and the scheduler fills them for every size at its start (`warm`): the caches are per thread,
+and met one by one the rarer sizes still grew the node for many minutes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,20 @@ import torch.nn.functional as F
 
 #: The batch size oneDNN lays the packed weight out for; any row count works with it.
 PACKED_FOR_ROWS = 8
+#: Row counts up to this run as they are (a decode step's lanes); larger ones are padded.
+EXACT_ROWS = 8
+#: Padded row counts per doubling, a power of two: each pads by less than a quarter.
+SIZES_PER_DOUBLING = 4
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a packed projection runs `rows` rows at: `rows` up to `EXACT_ROWS`, past
+    it the next of `SIZES_PER_DOUBLING` evenly spaced sizes in each doubling (9 to 16 rows run
+    at 10, 12, 14 or 16), so 32 sizes cover every prefill chunk up to 512 rows."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = max((1 << (rows.bit_length() - 1)) // SIZES_PER_DOUBLING, 1)
+    return -(-rows // step) * step
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -65,9 +86,23 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        padded = padded_rows(rows)
+        if padded == rows:
+            return self._packed(x)
+        flat = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
+        return self._packed(flat)[:rows].view(*x.shape[:-1], self.out_features)
+
+    def warm(self, max_rows: int) -> None:
+        """Runs the projection once at each padded row count up to `max_rows` on this thread."""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
-        return F.linear(x, self.weight, self.bias)
+            for rows in sorted({padded_rows(r) for r in range(1, max_rows + 1)}):
+                self._packed(torch.zeros(rows, self.in_features))
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
     @property
     def nbytes(self) -> int:

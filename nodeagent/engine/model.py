@@ -182,6 +182,13 @@ class LlamaModel:
         """The bytes of the decoder layers alone: what tensor parallelism splits."""
         return sum(_nbytes(p) for w in self.layers for p in vars(w).values() if p is not None)
 
+    def warm_projections(self, max_rows: int) -> None:
+        """Fill this thread's oneDNN caches for every row count a forward of up to `max_rows`
+        rows runs the projections at (`Linear.warm`); every layer shares its shapes."""
+        for projection in (p for layer in self.layers[:1] for p in vars(layer).values()):
+            if isinstance(projection, Linear):
+                projection.warm(max_rows)
+
     def attention_mask(self, q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
         """[B,1,C,n_keys] bool, True where a query at q_positions [B,C] sees key position k:
         k <= q, and with a sliding window also k > q - window."""

@@ -109,7 +109,7 @@ class TorchDaemon(Daemon):
         model.set_context(self.context)
         self.tensor_parallel = tensor_parallel
         if tensor_parallel is not None:
-            tensor_parallel.form(model, kv_blocks, self.context)
+            tensor_parallel.form(model, kv_blocks, self.context, max(prefill_chunk, max_batch))
         pool = KVPool(
             model.config.n_layers,
             model.config.n_kv_heads,

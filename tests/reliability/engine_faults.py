@@ -163,7 +163,7 @@ def hang(heads: int) -> Row:
     """A decode step that never returns: /health 503 and every head's Finish(ERROR) within the
     stall timeout (+ slack), a new request answered with ERROR at once; the node stays up, 503."""
     spec = "engine.step=hang@30"
-    row = Row("engine hang", f"{heads} heads, {spec}", 1, rss_slack=TORCH_RSS_SLACK)
+    row = Row("engine hang", f"{heads} heads, {spec}", 1, slack=TORCH_RSS_SLACK)
     node, addr = _node(spec)
     try:
         with Measured(row, node):
@@ -203,7 +203,7 @@ def raise_(heads: int) -> Row:
     """A decode step that raises, two lanes for `heads` heads: the step's generations end ERROR,
     the others and the next one run to LENGTH token-exact, /health 200 throughout."""
     spec = "engine.step=raise@30"
-    row = Row("engine raise", f"{heads} heads on 2 lanes, {spec}", 1, rss_slack=TORCH_RSS_SLACK)
+    row = Row("engine raise", f"{heads} heads on 2 lanes, {spec}", 1, slack=TORCH_RSS_SLACK)
     node, addr = _node(spec, "--max-batch", "2")
     try:
         with Measured(row, node):
@@ -258,7 +258,7 @@ def oom(heads: int) -> Row:
     """A KV block allocation out of memory while `heads` lanes decode: lanes are preempted and
     every generation runs to LENGTH token-exact, /health 200 throughout."""
     spec = "engine.alloc=oom@12"
-    row = Row("engine oom", f"{heads} heads, {spec}", 1, rss_slack=TORCH_RSS_SLACK)
+    row = Row("engine oom", f"{heads} heads, {spec}", 1, slack=TORCH_RSS_SLACK)
     node, addr = _node(spec, "--max-batch", str(heads))
     try:
         with Measured(row, node):

@@ -43,17 +43,20 @@ class Row:
     peak_rss: int = 0
     baseline_rss: int = 0
     after_rss: int = 0
+    #: A soak's RSS halfway through its load: from there to its end (`after_rss`) it must grow
+    #: by `slack` at most, its first half being allowed the growth of a node warming up.
+    middle_rss: int = 0
+    #: How far above its baseline (a soak: its middle) the node may settle after this row.
+    slack: int = RSS_SLACK
     seconds: float = 0.0
     #: The row stopped the node (a drain): its memory went back with the process.
     exited: bool = False
     notes: list[str] = field(default_factory=list)
     #: What the row saw, printed after "ok" (the failures' notes replace it).
     detail: str = ""
-    #: How far above its baseline the node may settle after this row.
-    rss_slack: int = RSS_SLACK
 
     def back_to_baseline(self) -> bool:
-        return self.exited or self.after_rss <= self.baseline_rss + self.rss_slack
+        return self.exited or self.after_rss <= (self.middle_rss or self.baseline_rss) + self.slack
 
     def clean(self) -> bool:
         return not (self.lost or self.duplicated or self.crashes or self.wrong) and self.back_to_baseline()
@@ -155,7 +158,7 @@ def table(rows: list[Row]) -> str:
             str(r.crashes),
             str(r.wrong),
             _mb(r.peak_rss),
-            f"{_mb(r.baseline_rss)}→" + ("exit 0" if r.exited else _mb(r.after_rss)),
+            _rss_column(r),
             f"{r.seconds:.1f} s",
             ("ok" + (f": {r.detail}" if r.detail else "")) if r.clean() else "FAIL " + "; ".join(r.notes),
         ))
@@ -163,6 +166,11 @@ def table(rows: list[Row]) -> str:
     text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths).rstrip())
     return "\n".join(text)
+
+
+def _rss_column(r: Row) -> str:
+    middle = f"{_mb(r.middle_rss)}→" if r.middle_rss else ""
+    return f"{_mb(r.baseline_rss)}→{middle}" + ("exit 0" if r.exited else _mb(r.after_rss))
 
 
 def _mb(n: int) -> str:

@@ -16,6 +16,7 @@ from engine_faults import die, hang, oom, raise_
 from harness import Measured, Row, WatchedNode, warm_up
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from soak import soak_mock, soak_torch
 from strategies import structs
 
 from conformance.head import FleetHead, Generation
@@ -492,7 +493,7 @@ def _big_frames_before_hello(row: Row, addr: str, n: int) -> None:
 
 
 #: Every row with its full size (the issue's minimums or more, for `make reliability`) and its
-#: short one (for `make test`).
+#: short one (for `make test`; None where no short run shows anything).
 ROWS = [
     (cuts, {"trials": 500}, {"trials": 20}),
     (fuzz, {"frames": 20_000}, {"frames": 600}),
@@ -505,4 +506,6 @@ ROWS = [
     (raise_, {"heads": 3}, {"heads": 3}),
     (die, {"heads": 4}, {"heads": 2}),
     (oom, {"heads": 4}, {"heads": 4}),
+    (soak_mock, {"seconds": 180}, {"seconds": 10}),
+    (soak_torch, {"seconds": 300}, None),
 ]

@@ -1,0 +1,52 @@
+"""The packed projection pads its rows to a few sizes, so oneDNN's per-shape caches stay
+bounded however the prefill chunks vary (issue 34), with the product unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nodeagent.engine import linear
+from nodeagent.engine.linear import EXACT_ROWS, Linear, can_pack, padded_rows
+
+needs_packing = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN packing")
+
+
+def test_a_decode_steps_rows_run_as_they_are_and_larger_counts_pad_by_under_a_quarter():
+    assert [padded_rows(r) for r in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
+    assert [padded_rows(r) for r in range(9, 18)] == [10, 10, 12, 12, 14, 14, 16, 16, 20]
+    for rows in range(1, 5000):
+        assert rows <= padded_rows(rows) < 1.25 * rows
+        assert padded_rows(padded_rows(rows)) == padded_rows(rows)
+
+
+def test_every_prefill_chunk_up_to_512_rows_runs_at_one_of_32_sizes():
+    assert len({padded_rows(r) for r in range(1, 513)}) == 32
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 1, 64), (3, 7, 64), (1, 37, 64), (2, 129, 64)])
+def test_padded_rows_give_the_product_of_the_rows_given(shape):
+    weight, bias = torch.randn(48, 64), torch.randn(48)
+    x = torch.randn(*shape)
+    y = Linear(weight, bias)(x)
+    assert y.shape == (*shape[:-1], 48)
+    torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+
+
+@needs_packing
+def test_onednn_meets_only_the_padded_row_counts(monkeypatch):
+    seen = set()
+    packed = Linear._packed
+
+    def recording(self, x):
+        seen.add(x.numel() // self.in_features)
+        return packed(self, x)
+
+    monkeypatch.setattr(linear.Linear, "_packed", recording)
+    projection = Linear(torch.randn(16, 32))
+    for rows in range(1, 300):
+        projection(torch.randn(rows, 32))
+    assert seen == {padded_rows(r) for r in range(1, 300)}
+    assert len(seen) <= 8 + 4 * 6

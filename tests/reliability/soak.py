@@ -1,0 +1,301 @@
+"""The soak rows of `make reliability`: days of a fleet's use compressed into minutes. Eight
+heads run generations back to back on one node: a quarter cancelled after their first tokens,
+every 20th one's link dropped without a word and reconciled over a new one, each session
+revoked when its generation ends. Every token is checked against a reference; the node's
+resident memory is sampled throughout, and over the second half of the run it must grow by
+less than `GROWTH_BOUND` (docs/hardening.md).
+
+`python tests/reliability/soak.py {mock|torch} SECONDS` runs one soak and prints its curve.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __name__ == "__main__":
+    HERE = Path(__file__).resolve().parent
+    sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
+
+from harness import SETTLE_S, Row, WatchedNode, settle, table
+
+from conformance.head import FleetHead, Generation
+from conformance.reference import mock_tokens
+from proto import finish
+
+HEADS = 8
+#: Every this many generations a head drops its link mid-generation and reconciles.
+DROP_EVERY = 20
+CANCEL_SHARE = 0.25
+#: How far the node's RSS may grow over the second half of a soak.
+GROWTH_BOUND = 4 * 2**20
+#: At most this long between two samples of the node's RSS and threads.
+SAMPLE_S = 15.0
+#: How long a head waits for one generation before it counts it missing.
+GENERATION_TIMEOUT = 60.0
+
+MOCK_ARGS = ("--listen", "127.0.0.1:0", "--engine", "mock")
+#: A KV pool of about 100 blocks against eight lanes of up to 15 blocks: preemption and the
+#: prefix cache both run.
+TORCH_ARGS = ("--listen", "127.0.0.1:0", "--model", "builtin", "--kv-budget-mb", "16", "--max-context", "512")
+#: The torch soak's prompts: a prefix of 2 to 8 whole blocks shared with other prompts, then a
+#: suffix of its own; max_new tokens up to 96.
+PREFIX_BLOCKS = (2, 4, 6, 8)
+SUFFIXES = 8
+MAX_NEW = (8, 96)
+
+#: Expected tokens and finish reason of a prompt's generation of up to max_new tokens.
+Expect = Callable[[list[int], int], tuple[list[int], int]]
+
+
+@dataclass
+class Sample:
+    at: float
+    rss: int
+    threads: int
+    generations: int
+
+
+@dataclass
+class Tally:
+    """What the heads did, counted under one lock."""
+
+    generations: int = 0
+    tokens: int = 0
+    cancelled: int = 0
+    dropped: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, tokens: int, cancelled: bool = False, dropped: bool = False) -> None:
+        with self.lock:
+            self.generations += 1
+            self.tokens += tokens
+            self.cancelled += cancelled
+            self.dropped += dropped
+
+
+# ---- references -------------------------------------------------------------------------------
+
+
+def mock_expect(prompt: list[int], max_new: int) -> tuple[list[int], int]:
+    return mock_tokens(prompt, max_new), finish.LENGTH
+
+
+def random_prompts(rng: random.Random) -> list[int]:
+    return [rng.randrange(32000) for _ in range(rng.randint(1, 40))]
+
+
+class TorchReference:
+    """The builtin model's greedy tokens for each soak prompt, computed once, one lane at a time,
+    by a `TorchDaemon` of this process: independent of the node's batching, preemption and
+    prefix cache."""
+
+    def __init__(self, rng: random.Random) -> None:
+        prefixes = [[rng.randrange(3, 32000) for _ in range(16 * n)] for n in PREFIX_BLOCKS]
+        suffixes = [[rng.randrange(3, 32000) for _ in range(rng.randint(1, 24))] for _ in range(SUFFIXES)]
+        self.prompts = [p + s for p in prefixes for s in suffixes]
+        self._answers = self._compute(self.prompts)
+
+    @staticmethod
+    def _compute(prompts: list[list[int]]) -> dict[tuple[int, ...], tuple[list[int], int]]:
+        from nodeagent.daemon import GenExtras
+        from nodeagent.engine.torch_engine import TorchDaemon
+        from proto.params import GenParams
+
+        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=1, threads=1)
+        try:
+            answers = {}
+            for prompt in prompts:
+                got = daemon.generate_tokens_streaming(prompt, GenParams(), MAX_NEW[1], 0, GenExtras(), lambda _: True)
+                answers[tuple(prompt)] = (list(got.tokens), got.finish)
+            return answers
+        finally:
+            daemon.close()
+
+    def pick(self, rng: random.Random) -> list[int]:
+        return rng.choice(self.prompts)
+
+    def expect(self, prompt: list[int], max_new: int) -> tuple[list[int], int]:
+        tokens, reason = self._answers[tuple(prompt)]
+        if len(tokens) >= max_new:
+            return tokens[:max_new], finish.LENGTH
+        return tokens, reason
+
+
+# ---- the heads --------------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """What the heads send and expect back, and when they stop."""
+
+    prompt: Callable[[random.Random], list[int]]
+    expect: Expect
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class SoakHead:
+    """One head thread: generations back to back until `stop`, each on a session of its own."""
+
+    def __init__(self, index: int, node: WatchedNode, row: Row, tally: Tally, load: Load) -> None:
+        self.index, self.node, self.row, self.tally, self.load = index, node, row, tally, load
+        self.rng = random.Random(1000 + index)
+        self.thread = threading.Thread(target=self._run, name=f"soak-head-{index}", daemon=True)
+
+    def _run(self) -> None:
+        head = FleetHead.connect(self.node.addr)
+        try:
+            for n in range(1, sys.maxsize):
+                if self.load.stop.is_set():
+                    return
+                try:
+                    self._one(head, (self.index << 40) | n, n)
+                except Exception as e:  # noqa: BLE001 - a generation the head could not finish
+                    self.row.lost += 1
+                    self.row.note(f"head {self.index}: {type(e).__name__}: {e}")
+                    head.close()
+                    head = FleetHead.connect(self.node.addr)
+        finally:
+            head.close()
+
+    def _one(self, head: FleetHead, sid: int, n: int) -> None:
+        prompt = self.load.prompt(self.rng)
+        max_new = self.rng.randint(*MAX_NEW)
+        expected, reason = self.load.expect(prompt, max_new)
+        head.assign(sid)
+        head.append(sid, prompt)
+        req = head.request(sid, max_new)
+        key = (sid, req.generation_id)
+        if n % DROP_EVERY == 0:
+            self._first_tokens(head, key)
+            head.reconnect()
+            self._check_prefix(head.generations[key], expected)
+            self.tally.add(len(head.generations[key].tokens), dropped=True)
+        elif self.rng.random() < CANCEL_SHARE:
+            self._first_tokens(head, key)
+            head.cancel(req)
+            g = head.collect(req, GENERATION_TIMEOUT)
+            self._check_prefix(g, expected)
+            if g.finish not in (finish.CANCELLED, reason):
+                self.row.wrong += 1
+                self.row.note(f"a cancelled generation ended {g.finish}")
+            self.tally.add(len(g.tokens), cancelled=True)
+        else:
+            g = head.collect(req, GENERATION_TIMEOUT)
+            if (g.tokens, g.finish) != (expected, reason):
+                self._check_prefix(g, expected)
+                self.row.lost += len(g.tokens) < len(expected)
+                self.row.note(f"{len(g.tokens)} tokens ending {g.finish}, wanted {len(expected)} ending {reason}")
+            self.tally.add(len(g.tokens))
+        head.revoke(sid)
+
+    @staticmethod
+    def _first_tokens(head: FleetHead, key: tuple[int, int]) -> None:
+        head.until(lambda: head.generations.get(key), GENERATION_TIMEOUT, "the first tokens")
+
+    def _check_prefix(self, g: Generation, expected: list[int]) -> None:
+        if g.tokens != expected[: len(g.tokens)]:
+            self.row.wrong += 1
+            self.row.note(f"session {g.session_id}: tokens differ from the reference")
+
+
+# ---- the rows ---------------------------------------------------------------------------------
+
+
+def soak_mock(seconds: float) -> Row:
+    """The soak against the mock engine (random prompts, the conformance kit's mock tokens)."""
+    return soak("soak, mock", MOCK_ARGS, Load(random_prompts, mock_expect), seconds)[0]
+
+
+def soak_torch(seconds: float) -> Row:
+    """The soak against the builtin torch model with a small KV pool."""
+    return soak("soak, torch builtin", TORCH_ARGS, torch_load(), seconds)[0]
+
+
+def torch_load() -> Load:
+    reference = TorchReference(random.Random(34))
+    return Load(reference.pick, reference.expect)
+
+
+def soak(name: str, args: tuple[str, ...], load: Load, seconds: float) -> tuple[Row, list[Sample]]:
+    """Runs `HEADS` soak heads for `seconds` against a node started with `args`; the row and
+    the RSS curve. The row's RSS column reads start→middle→end of the load, the end sampled
+    before the heads stop."""
+    row = Row(name, "", 0)
+    node = WatchedNode(*args)
+    tally = Tally()
+    try:
+        warm_up_node(node, load)
+        time.sleep(SETTLE_S)  # the warm-up's connection thread ends
+        threads = node.threads()
+        heads = [SoakHead(i, node, row, tally, load) for i in range(HEADS)]
+        start = time.monotonic()
+        for head in heads:
+            head.thread.start()
+        samples = _sampled(node, tally, start, seconds)
+        load.stop.set()
+        for head in heads:
+            head.thread.join(GENERATION_TIMEOUT + 10)
+        row.seconds = time.monotonic() - start
+        settle(node, threads)
+        _fill(row, node, tally, samples, threads)
+    finally:
+        node.close()
+    return row, samples
+
+
+def warm_up_node(node: WatchedNode, load: Load) -> None:
+    """One generation of the soak's kind, so first-use allocations come before the start."""
+    with FleetHead.connect(node.addr) as head:
+        prompt = load.prompt(random.Random(0))
+        head.assign(1)
+        head.append(1, prompt)
+        assert head.generate(1, 8, timeout=GENERATION_TIMEOUT).tokens == load.expect(prompt, 8)[0]
+        head.revoke(1)
+
+
+def _sampled(node: WatchedNode, tally: Tally, start: float, seconds: float) -> list[Sample]:
+    """RSS and threads every `SAMPLE_S` (or a tenth of the run, when shorter) until `seconds`."""
+    every = min(SAMPLE_S, seconds / 10)
+    samples = []
+    for k in range(int(seconds / every) + 1):
+        time.sleep(max(start + k * every - time.monotonic(), 0))
+        samples.append(Sample(time.monotonic() - start, node.rss(), node.threads(), tally.generations))
+    return samples
+
+
+def _fill(row: Row, node: WatchedNode, tally: Tally, samples: list[Sample], threads: int) -> None:
+    row.baseline_rss = samples[0].rss
+    row.middle_rss = samples[len(samples) // 2].rss
+    row.after_rss = samples[-1].rss
+    row.slack = GROWTH_BOUND
+    row.peak_rss = node.status("VmHWM")
+    row.faults = tally.cancelled + tally.dropped
+    after = node.threads()
+    row.load = (
+        f"{HEADS} heads, {tally.generations} gens, {tally.tokens} tokens, "
+        f"{tally.cancelled} cancelled, {tally.dropped} dropped; threads {threads}→{after}"
+    )
+    if after > threads:
+        row.wrong += 1
+        row.note(f"{after - threads} threads left after the load")
+    row.crashes += node.crashes()
+
+
+def main(argv: list[str]) -> int:
+    kind, seconds = argv[0], float(argv[1])
+    load = torch_load() if kind == "torch" else Load(random_prompts, mock_expect)
+    row, samples = soak(f"soak, {kind}", TORCH_ARGS if kind == "torch" else MOCK_ARGS, load, seconds)
+    for s in samples:
+        print(f"{s.at:7.1f} s  {s.rss / 2**20:7.1f} MB  {s.threads:3d} threads  {s.generations:8d} gens")
+    print(table([row]))
+    return 0 if row.clean() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
