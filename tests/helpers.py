@@ -1,6 +1,10 @@
-"""Helpers several test modules share: a session placed on a head, a greedy run on an engine."""
+"""Helpers several test modules share: a session placed on a head, a greedy run on an engine,
+a GET of the node's HTTP side."""
 
 from __future__ import annotations
+
+import urllib.error
+import urllib.request
 
 from conformance.head import FleetHead
 from nodeagent.daemon import Daemon, GenExtras
@@ -18,3 +22,12 @@ def greedy(daemon: Daemon, prompt: list[int], n: int) -> list[int]:
     """Up to `n` greedy tokens after `prompt`, straight from the engine."""
     result = daemon.generate_tokens_streaming(list(prompt), GenParams(), n, 0, GenExtras(), lambda batch: True)
     return list(result.tokens)
+
+
+def http_get(addr: str, path: str) -> tuple[int, str]:
+    """The status and body `http://addr/path` answers, an error status included."""
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

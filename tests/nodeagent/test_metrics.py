@@ -9,6 +9,7 @@ import socket
 import urllib.error
 import urllib.request
 
+from helpers import http_get
 from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,19 +43,11 @@ def value(samples, name: str, **labels) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def health(addr: str, path: str = "/health") -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_counters_move_by_what_the_generations_did(noded):
     node = noded(*MOCK, "--token-delay-ms", "20")
     addr = metrics_addr(node)
-    assert health(addr) == (200, "serving\n")
-    assert health(addr, "/ready") == (200, "serving\n")
+    assert http_get(addr, "/health") == (200, "serving\n")
+    assert http_get(addr, "/ready") == (200, "serving\n")
     before = scrape(addr)
     assert value(before, "superfluid_node_generation_tokens_total") == 0
     assert value(before, "superfluid_node_kv_blocks_total") > 0
@@ -128,8 +121,8 @@ def test_the_node_is_not_ready_but_alive_while_it_drains(noded):
         head.until(lambda: head.generations.get((1, req.generation_id)), 5, "the first tokens")
         node.proc.send_signal(signal.SIGTERM)
         node.wait_line("draining")
-        assert health(addr, "/ready") == (503, "draining\n")
-        assert health(addr) == (200, "draining\n")
+        assert http_get(addr, "/ready") == (503, "draining\n")
+        assert http_get(addr, "/health") == (200, "draining\n")
         assert value(scrape(addr), "superfluid_node_generations_running") == 1, "metrics still answer"
         assert head.collect(req).finish == finish.LENGTH
     assert node.wait() == 0

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 import socket
-import urllib.error
-import urllib.request
 
 import pytest
+from helpers import http_get
 from polling import wait_until
 
 from proto import finish
@@ -28,25 +27,17 @@ def served():
     server.close()
 
 
-def get(addr: str, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_readiness_follows_the_node_state_and_liveness_does_not(served):
     metrics, addr = served
-    assert get(addr, "/health") == (200, "loading\n")
-    assert get(addr, "/ready") == (503, "loading\n")
+    assert http_get(addr, "/health") == (200, "loading\n")
+    assert http_get(addr, "/ready") == (503, "loading\n")
     metrics.node_state("serving")
-    assert get(addr, "/health") == (200, "serving\n")
-    assert get(addr, "/ready") == (200, "serving\n")
+    assert http_get(addr, "/health") == (200, "serving\n")
+    assert http_get(addr, "/ready") == (200, "serving\n")
     metrics.node_state("draining")
-    assert get(addr, "/health") == (200, "draining\n")
-    assert get(addr, "/ready") == (503, "draining\n")
-    assert get(addr, "/nope")[0] == 404
+    assert http_get(addr, "/health") == (200, "draining\n")
+    assert http_get(addr, "/ready") == (503, "draining\n")
+    assert http_get(addr, "/nope")[0] == 404
 
 
 class _Engine(MockDaemon):
@@ -65,21 +56,21 @@ def test_an_engine_that_makes_no_progress_fails_both_probes_and_recovers(served,
     metrics.serve_engine(engine, 8, "mock")
     metrics.node_state("serving")
     engine.state = state
-    assert get(addr, "/health") == (503, f"{state.value}\n")
-    assert get(addr, "/ready") == (503, f"{state.value}\n")
+    assert http_get(addr, "/health") == (503, f"{state.value}\n")
+    assert http_get(addr, "/ready") == (503, f"{state.value}\n")
     stalled = f"superfluid_node_engine_stalled {1.0 if state == EngineHealth.STALLED else 0.0}"
-    assert stalled in get(addr, "/metrics")[1]
+    assert stalled in http_get(addr, "/metrics")[1]
     engine.state = EngineHealth.OK
-    assert get(addr, "/health") == (200, "serving\n")
-    assert get(addr, "/ready") == (200, "serving\n")
-    assert "superfluid_node_engine_stalled 0.0" in get(addr, "/metrics")[1]
+    assert http_get(addr, "/health") == (200, "serving\n")
+    assert http_get(addr, "/ready") == (200, "serving\n")
+    assert "superfluid_node_engine_stalled 0.0" in http_get(addr, "/metrics")[1]
 
 
 def test_engine_figures_appear_once_an_engine_is_served(served):
     metrics, addr = served
-    assert "superfluid_node_kv_blocks_total" not in get(addr, "/metrics")[1]
+    assert "superfluid_node_kv_blocks_total" not in http_get(addr, "/metrics")[1]
     metrics.serve_engine(MockDaemon(max_lanes=3), 3, "mock")
-    text = get(addr, "/metrics")[1]
+    text = http_get(addr, "/metrics")[1]
     assert "superfluid_node_kv_blocks_total 1024.0" in text
     assert "superfluid_node_lanes_max 3.0" in text
     assert 'superfluid_node_generations_queued{qos_class="background"} 0.0' in text
@@ -96,7 +87,7 @@ def test_the_decode_step_summaries_are_the_schedulers_count_and_wall_times(serve
 
     metrics, addr = served
     metrics.serve_engine(Stepped(max_lanes=2), 2, "mock")
-    text = get(addr, "/metrics")[1]
+    text = http_get(addr, "/metrics")[1]
     assert "# TYPE superfluid_node_decode_step_seconds summary" in text
     assert "superfluid_node_decode_step_seconds_count 40.0" in text
     assert "superfluid_node_decode_step_seconds_sum 1.25" in text
