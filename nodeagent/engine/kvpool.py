@@ -75,6 +75,9 @@ class KVPool:
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
+        #: Blocks zeroed since `take_fresh` was last called: under tensor parallelism the
+        #: other ranks zero them in their own pools too.
+        self._fresh: list[int] = []
 
     @property
     def used(self) -> int:
@@ -102,8 +105,17 @@ class KVPool:
         for block in taken:
             self._refs[block] = 1
         if taken:
-            self.kv.index_fill_(1, torch.tensor(taken, device=self.kv.device), 0)
+            self.zero(taken)
+            self._fresh += taken
         return taken
+
+    def zero(self, blocks: Sequence[int]) -> None:
+        self.kv.index_fill_(1, torch.tensor(blocks, device=self.kv.device), 0)
+
+    def take_fresh(self) -> list[int]:
+        """The blocks zeroed since the last call, which another rank's pool must zero too."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def _evict(self) -> int:
         block, _ = self._idle.popitem(last=False)

@@ -94,6 +94,8 @@ class Batch:
     counts: torch.Tensor
     starts: torch.Tensor
     blocks: torch.Tensor
+    #: Blocks handed out (and zeroed) since the last step: the other ranks zero theirs.
+    fresh: torch.Tensor
 
 
 class Followers(Protocol):
@@ -754,6 +756,7 @@ class Scheduler:
             counts=torch.tensor(counts, device=device),
             starts=torch.tensor([g.n_cached for g in gens], device=device),
             blocks=torch.tensor(table, device=device),
+            fresh=torch.tensor(self.pool.take_fresh(), dtype=torch.long, device=device),
         )
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_forward(batch)

@@ -43,7 +43,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 #: How often rank 0 looks at its workers.
 WATCH_PERIOD_S = 0.2
 #: A step's header: its kind, then the sizes of what follows.
-HEADER = 4
+HEADER = 5
 
 
 class Step(IntEnum):
@@ -124,19 +124,25 @@ class TensorParallel:
                 raise ModelLoadError(f"{where} exited with {worker.exitcode} while loading its shard")
             if time.monotonic() > deadline:
                 raise ModelLoadError(f"{where} did not load its shard within {START_TIMEOUT_S:g} s")
-        status, detail = pipe.recv()
+        try:
+            status, detail = pipe.recv()
+        except EOFError:
+            worker.join(1.0)
+            raise ModelLoadError(f"{where} exited with {worker.exitcode} while loading its shard") from None
         if status != "loaded":
             raise ModelLoadError(f"{where} could not load its shard: {detail}")
 
     def send_forward(self, batch: Batch) -> None:
         b, w = batch.tokens.shape
-        _send_header(Step.FORWARD, b, w, batch.blocks.shape[1], self.device)
-        flat = torch.cat([batch.tokens.reshape(-1), batch.counts, batch.starts, batch.blocks.reshape(-1)])
+        _send_header(Step.FORWARD, b, w, batch.blocks.shape[1], len(batch.fresh), self.device)
+        flat = torch.cat(
+            [batch.tokens.reshape(-1), batch.counts, batch.starts, batch.blocks.reshape(-1), batch.fresh]
+        )
         dist.broadcast(flat, 0)
 
     def send_stage(self, hidden: torch.Tensor, start: int, end: int) -> None:
         """`hidden` [1,N,D]: the stage's input, which every rank runs layers [start, end) on."""
-        _send_header(Step.STAGE, hidden.shape[1], start, end, self.device)
+        _send_header(Step.STAGE, hidden.shape[1], start, end, 0, self.device)
         dist.broadcast(hidden.contiguous(), 0)
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
@@ -159,7 +165,7 @@ class TensorParallel:
             timeout = 0.0
         if healthy and all(w.is_alive() for w in self.workers) and dist.is_initialized():
             try:
-                _send_header(Step.STOP, 0, 0, 0, self.device)
+                _send_header(Step.STOP, 0, 0, 0, 0, self.device)
             except RuntimeError:
                 pass
         deadline = time.monotonic() + timeout
@@ -194,8 +200,8 @@ def _join_group(spec: ShardSpec, rank: int) -> None:
     )
 
 
-def _send_header(step: Step, a: int, b: int, c: int, device: torch.device) -> None:
-    dist.broadcast(torch.tensor([step, a, b, c], dtype=torch.long, device=device), 0)
+def _send_header(step: Step, a: int, b: int, c: int, e: int, device: torch.device) -> None:
+    dist.broadcast(torch.tensor([step, a, b, c, e], dtype=torch.long, device=device), 0)
 
 
 # ---- a worker ----------------------------------------------------------------------------------
@@ -236,12 +242,14 @@ def _run_step(model: LlamaModel, pool: KVPool, arange: torch.Tensor) -> bool:
     """Receives one step from rank 0 and runs this rank's part; False at STOP."""
     header = torch.empty(HEADER, dtype=torch.long, device=model.device)
     dist.broadcast(header, 0)
-    step, a, b, c = (int(v) for v in header.tolist())
+    step, a, b, c, e = (int(v) for v in header.tolist())
     if step == Step.FORWARD:
-        flat = torch.empty(a * b + 2 * a + a * c, dtype=torch.long, device=model.device)
+        flat = torch.empty(a * b + 2 * a + a * c + e, dtype=torch.long, device=model.device)
         dist.broadcast(flat, 0)
-        tokens, counts, starts, blocks = flat.split([a * b, a, a, a * c])
-        forward_batch(model, pool, arange, Batch(tokens.view(a, b), counts, starts, blocks.view(a, c)))
+        tokens, counts, starts, blocks, fresh = flat.split([a * b, a, a, a * c, e])
+        if e:
+            pool.zero(fresh.tolist())
+        forward_batch(model, pool, arange, Batch(tokens.view(a, b), counts, starts, blocks.view(a, c), fresh))
     elif step == Step.STAGE:
         hidden = torch.empty(1, a, model.config.hidden_size, dtype=model.dtype, device=model.device)
         dist.broadcast(hidden, 0)

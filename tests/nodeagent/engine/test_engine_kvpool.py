@@ -113,3 +113,14 @@ def test_blocks_handed_out_are_zeroed_whatever_the_storage_held():
     blocks = p.allocate(3)
     assert bool((p.kv[:, blocks] == 0).all())
     assert bool(p.kv[:, [b for b in range(p.total) if b not in blocks]].isnan().all())
+
+
+def test_each_handed_out_block_is_reported_fresh_once_for_the_other_ranks_to_zero():
+    pool = KVPool(1, 1, 2, 4, torch.float32, torch.device("cpu"))
+    pool.kv.fill_(float("nan"))
+    first = pool.allocate(2)
+    assert pool.take_fresh() == first and pool.take_fresh() == []
+    assert not pool.kv[:, first].isnan().any(), "handed out zeroed"
+    pool.release(first)
+    again = pool.allocate(1)
+    assert pool.take_fresh() == again
