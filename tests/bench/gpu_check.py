@@ -1,8 +1,9 @@
 """The torch engine on a CUDA device, checked in one run (`make gpu-check`, under 5 minutes).
 
 On the builtin model: bf16 greedy agreement with fp32 over 64 tokens; the KV pool sized from the
-device's free memory; prefill and decode tokens/s at 1 and 8 lanes (bf16). Prints one table and
-exits 1 when a check fails. Without CUDA it says so and exits 0, so it can sit in any checkout;
+device's free memory; prefill and decode tokens/s at 1 and 8 lanes (bf16); with two devices or
+more, tensor parallel 2 against 1 (the same greedy tokens, decode tokens/s at each, fp32). Prints one
+table and exits 1 when a check fails. Without CUDA it says so and exits 0, so it can sit in any checkout;
 `--device cpu` runs the same steps on the CPU (smaller) to check the script itself.
 """
 
@@ -77,8 +78,11 @@ def sync(daemon: TorchDaemon) -> None:
         torch.cuda.synchronize(daemon.model.device)
 
 
-def open_daemon(device: str, dtype: str, kv_budget_mb: int | None) -> TorchDaemon:
-    return TorchDaemon.load("builtin", device=device, dtype=dtype, max_batch=LANES, kv_budget_mb=kv_budget_mb)
+def open_daemon(device: str, dtype: str, kv_budget_mb: int | None, tensor_parallel: int = 1) -> TorchDaemon:
+    return TorchDaemon.load(
+        "builtin", device=device, dtype=dtype, max_batch=LANES, kv_budget_mb=kv_budget_mb,
+        tensor_parallel=tensor_parallel,
+    )
 
 
 def agreement(device: str) -> list[Row]:
@@ -168,6 +172,29 @@ def throughput(device: str, sizes: Sizes) -> list[Row]:
     return rows
 
 
+def tensor_parallel(device: str, sizes: Sizes) -> list[Row]:
+    """Tensor parallel 2 against 1 where there are two devices (on the CPU, two processes):
+    the same greedy tokens, and decode tokens/s at 1 and 8 lanes for each, all in fp32 so that
+    the split's different summation order cannot flip a near-tie as bf16's rounding could."""
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return [Row("tensor parallel 2", f"skipped: {torch.cuda.device_count()} CUDA device")]
+    tokens, rows = {}, []
+    for world in (1, 2):
+        daemon = open_daemon(device, "float32", SMALL_KV_MB, tensor_parallel=world)
+        try:
+            tokens[world] = generate(daemon, prompt(40), sizes.decode)
+            for lanes in (1, LANES):
+                one = in_lanes(daemon, lanes, 16, 1, salt=10 * world)
+                many = in_lanes(daemon, lanes, 16, sizes.decode, salt=10 * world)
+                rate = lanes * (sizes.decode - 1) / (many - one)
+                rows.append(Row(f"tensor parallel {world}: decode, {lanes} lane(s), fp32", f"{rate:,.0f} tok/s"))
+        finally:
+            daemon.close()
+    same = tokens[1] == tokens[2]
+    rows.append(Row("tensor parallel 2: greedy tokens as at 1", "yes" if same else "NO", "yes", same))
+    return rows
+
+
 def release_cached(device: torch.device) -> None:
     """Give memory the closed engines left in torch's caching allocator back to the device, so
     free memory means free."""
@@ -196,7 +223,7 @@ def main() -> int:
     started = time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     sizes = SIZES["cuda" if device.startswith("cuda") else "cpu"]
-    rows = agreement(device) + kv_budget(device) + throughput(device, sizes)
+    rows = agreement(device) + kv_budget(device) + throughput(device, sizes) + tensor_parallel(device, sizes)
     print(f"gpu-check on {name}, torch {torch.__version__}")
     width = max(len(r.name) for r in rows)
     for row in rows:
