@@ -45,7 +45,7 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
 [--write-timeout-ms N] \
 [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--weights auto|float|int8|int4] \
-[--kv-budget-mb N] [--engine-stall-timeout-ms N] [--tensor-parallel N] \
+[--fast-prefill] [--kv-budget-mb N] [--engine-stall-timeout-ms N] [--tensor-parallel N] \
 [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
 [--session-retention-ms N]
@@ -64,6 +64,9 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --weights (torch) defaults to auto: a quantized GGUF file stays quantized on the CPU (int4 or
  int8, whichever this CPU runs faster than float), anything else is float; int8 and int4
  quantize any checkpoint at load; the serving line says what was chosen and why.
+ --fast-prefill (torch, int4 on the CPU) runs prefill chunks of 64 tokens or more as bf16 GEMMs
+ on unpacked weights: several times faster, but a generation's tokens may then depend on how its
+ prompt was batched (a preemption or a prefix-cache hit can change a near-tie).
  --engine-stall-timeout-ms (torch, default {DEFAULT_STALL_TIMEOUT_MS}) marks the engine stalled
  when one step runs longer: its generations end with an error and /health answers 503 until it
  returns (0: no watchdog).
@@ -133,6 +136,7 @@ class Options:
     device: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"
+    fast_prefill: bool = False
     kv_budget_mb: int | None = None
     engine_stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS
     tensor_parallel: int = 1
@@ -233,6 +237,7 @@ FLAGS = {
     "--device": ("device", _device),
     "--dtype": ("dtype", _dtype),
     "--weights": ("weights", _weights),
+    "--fast-prefill": ("fast_prefill", None),
     "--kv-budget-mb": ("kv_budget_mb", _count),
     "--engine-stall-timeout-ms": ("engine_stall_timeout_ms", _count),
     "--tensor-parallel": ("tensor_parallel", _ranks),
@@ -505,6 +510,7 @@ def load(opts: Options, runtime: str):
             device=opts.device,
             dtype=opts.dtype,
             weights=opts.weights,
+            fast_prefill=opts.fast_prefill,
             threads=threads,
             max_batch=opts.max_batch,
             max_context=max_context,

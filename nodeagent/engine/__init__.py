@@ -18,6 +18,7 @@ def open_engine(
     token_delay_s: float = 0.0,
     dtype: str = "auto",
     weights: str = "auto",
+    fast_prefill: bool = False,
     threads: int | None = None,
     stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
     faults: Failpoints | None = None,
@@ -26,7 +27,7 @@ def open_engine(
     """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
 
     `token_delay_s` slows the mock's every step, so tests can hold a generation open. The
-    stall timeout, the failpoints and tensor parallelism are the torch engine's: the mock has no
+    stall timeout, the failpoints, fast prefill and tensor parallelism are the torch engine's: the mock has no
     scheduler thread and no layers to split.
     """
     if runtime == "mock":
@@ -49,6 +50,7 @@ def open_engine(
             kv_budget_mb=kv_budget_mb,
             dtype=dtype,
             weights=weights,
+            fast_prefill=fast_prefill,
             threads=threads,
             stall_timeout_ms=stall_timeout_ms,
             faults=faults,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear, tied_layout
-from nodeagent.engine.quant import Int8Embedding, Int8Head, Int8Linear, quantized_linear
+from nodeagent.engine.quant import Int4Linear, Int8Embedding, Int8Head, Int8Linear, quantized_linear
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table, rotate_in_place
 
 
@@ -186,8 +186,16 @@ class LlamaModel:
         """Fill this thread's oneDNN caches for every row count a forward of up to `max_rows`
         rows runs the projections at (`Linear.warm`); every layer shares its shapes."""
         for projection in (p for layer in self.layers[:1] for p in vars(layer).values()):
-            if isinstance(projection, Linear):
+            if isinstance(projection, (Linear, Int4Linear)):
                 projection.warm(max_rows)
+
+    def unpack_prefill(self) -> bool:
+        """Let int4 projections run long prefill chunks as bf16 GEMMs (`Int4Linear.unpack_prefill`);
+        whether any can here."""
+        projections = [p for layer in self.layers for p in vars(layer).values() if isinstance(p, Int4Linear)]
+        for projection in projections:
+            projection.unpack_prefill()
+        return any(p.unpack_width is not None for p in projections)
 
     def attention_mask(self, q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
         """[B,1,C,n_keys] bool, True where a query at q_positions [B,C] sees key position k:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nodeagent.engine.choices import WeightFormat
-from nodeagent.engine.linear import Linear
+from nodeagent.engine.linear import Linear, padded_rows
 
 INT4_GROUP = 32
 #: The int4 kernel packs output rows in tiles of 16.
@@ -38,6 +38,10 @@ INT8_COLUMN_MULTIPLE = 16
 #: `auto` takes a quantized kernel only when it runs the probe in at most this share of float's
 #: time: the margin keeps measurement noise from picking a kernel that is no faster.
 AUTO_MAX_TIME_SHARE = 0.8
+#: From this many rows on (a prefill chunk), an int4 product may unpack its weight to bf16 and
+#: run one GEMM (`Int4Linear.unpack_prefill`): the kernel's time grows with its rows as a
+#: matrix-vector product's does, a GEMM's far less.
+UNPACK_ROWS = 64
 
 
 class WeightFormatError(Exception):
@@ -192,19 +196,89 @@ class Int4Linear:
         # The kernel's layout: [groups, rows, (scale, zero)], w = (code - 8) * scale + zero.
         pairs = torch.stack([scale, zero + 8 * scale], -1).transpose(0, 1)
         self.scales_and_zeros = pairs.contiguous().to(torch.bfloat16)
+        #: Set by `unpack_prefill`: the packed layout's row block, for chunks of many rows.
+        self.unpack_width: int | None = None
         self.bias = bias
         self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2 + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
+        if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
+            y = self._unpacked_product(rows)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
         return _finish(y, x, self.bias)
+
+    def unpack_prefill(self) -> None:
+        """Run chunks of `UNPACK_ROWS` rows or more as one bf16 GEMM on the unpacked weight,
+        where this process's layout is known and the rows fill its blocks. Faster, but those
+        rows' products then differ from the kernel's in the last bits (the kernel keeps each
+        weight in fp32 and sums in another order), so a token's hidden state depends on how
+        its prompt was batched."""
+        width = int4_unpack_width()
+        if width is not None and self.out_features % width == 0:
+            self.unpack_width = width
+
+    def _unpacked_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows times the unpacked weight, padded to the row counts packed projections run
+        at, for the same reason (oneDNN keeps a primitive per row count)."""
+        count = len(rows)
+        padded = padded_rows(count)
+        if padded != count:
+            rows = F.pad(rows, (0, 0, 0, padded - count))
+        return torch.mm(rows, self.unpacked_t())[:count]
+
+    def warm(self, max_rows: int) -> None:
+        """Runs an unpacked product at each padded row count from `UNPACK_ROWS` to `max_rows`
+        on this thread (see `Linear.warm`)."""
+        if self.unpack_width is None:
+            return
+        weight_t = torch.zeros(self.in_features, self.out_features, dtype=torch.bfloat16)
+        for rows in sorted({padded_rows(r) for r in range(UNPACK_ROWS, max_rows + 1)}):
+            torch.mm(torch.zeros(rows, self.in_features, dtype=torch.bfloat16), weight_t)
+
+    def unpacked_t(self) -> torch.Tensor:
+        """W.T [in, out] in bf16, each weight (code - 8) * scale + zero as the kernel computes
+        it. The kernel packs rows in blocks of `unpack_width`: byte j of a block's column holds
+        row j in its low nibble and row j + width/2 in its high one."""
+        width = self.unpack_width
+        assert width is not None
+        blocks, groups = self.out_features // width, self.in_features // INT4_GROUP
+        packed = self.packed.view(blocks, self.in_features, width // 2)
+        codes = torch.cat([packed & 15, packed >> 4], -1).view(torch.int8) - 8
+        codes = codes.view(blocks, groups, INT4_GROUP, width).to(torch.bfloat16)
+        scale, zero = self.scales_and_zeros.view(groups, blocks, 1, width, 2).permute(4, 1, 0, 2, 3).contiguous()
+        weight_t = torch.empty(self.in_features, self.out_features, dtype=torch.bfloat16)
+        blocked = weight_t.view(groups, INT4_GROUP, blocks, width).permute(2, 0, 1, 3)
+        torch.addcmul(zero, codes, scale, out=blocked)
+        return weight_t
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, from an identity product."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_and_zeros)
         return w_t.float().t()
+
+
+@functools.cache
+def int4_unpack_width() -> int | None:
+    """The row block of the int4 kernel's packed layout in this process (64 with AVX-512, 32
+    with AVX2, 2 without either), found by packing known codes; None where no width unpacks
+    them or oneDNN has no bf16 GEMM here, so that every product stays on the kernel."""
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+    except (AttributeError, RuntimeError):
+        return None
+    rows, columns = 64, 2 * INT4_GROUP
+    codes = torch.randint(0, 16, (rows, columns), generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
+    for width in (64, 32, 2):
+        halves = packed.view(rows // width, columns, width // 2)
+        unpacked = torch.cat([halves & 15, halves >> 4], -1).permute(0, 2, 1).reshape(rows, columns)
+        if torch.equal(unpacked.to(torch.int64), codes):
+            return width
+    return None
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -63,6 +63,7 @@ class ShardSpec:
     world: int
     threads: int | None
     port: int
+    fast_prefill: bool = False
 
     def device_of(self, rank: int) -> torch.device:
         return torch.device(f"cuda:{rank}") if self.device == "cuda" else torch.device("cpu")

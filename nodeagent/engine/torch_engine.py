@@ -10,6 +10,7 @@ scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -136,6 +137,7 @@ class TorchDaemon(Daemon):
         kv_budget_mb: int | None = None,
         dtype: str = "auto",
         weights: str = "auto",
+        fast_prefill: bool = False,
         threads: int | None = None,
         stall_timeout_ms: int = DEFAULT_STALL_TIMEOUT_MS,
         faults: Failpoints | None = None,
@@ -156,11 +158,13 @@ class TorchDaemon(Daemon):
                 threads = max(1, (threads or torch.get_num_threads()) // tensor_parallel)
                 spec = ShardSpec(
                     path, str(floats).removeprefix("torch."), quantization.format.value, dev.type,
-                    tensor_parallel, threads, free_port(),
+                    tensor_parallel, threads, free_port(), fast_prefill,
                 )
                 group = TensorParallel.launch(spec, load_shard)
             shard = Shard(0, tensor_parallel) if group is not None else None
             loaded = _load_weights(path, floats, dev, quantization.format, shard)
+            if fast_prefill:
+                quantization = _unpack_prefill(loaded, quantization)
             return_free_memory()
             blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
             return cls(
@@ -418,7 +422,18 @@ def _model_config(path: str) -> ModelConfig:
 def load_shard(spec: ShardSpec, rank: int) -> LlamaModel:
     """A tensor-parallel worker's model: rank `rank`'s shard, as rank 0 loads its own."""
     dtype, weights = getattr(torch, spec.dtype), WeightFormat(spec.weights)
-    return _load_weights(spec.model, dtype, spec.device_of(rank), weights, Shard(rank, spec.world))
+    model = _load_weights(spec.model, dtype, spec.device_of(rank), weights, Shard(rank, spec.world))
+    if spec.fast_prefill:
+        model.unpack_prefill()
+    return model
+
+
+def _unpack_prefill(model: LlamaModel, quantization: Quantization) -> Quantization:
+    """--fast-prefill on a loaded model; the serving line's reason says whether it took."""
+    if model.unpack_prefill():
+        return dataclasses.replace(quantization, reason=quantization.reason + "; fast prefill")
+    log.warning("--fast-prefill: no int4 projection here can run unpacked; prefill stays on the int4 kernel")
+    return quantization
 
 
 def _resolve_model(model: str) -> tuple[str, str]:

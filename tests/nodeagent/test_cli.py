@@ -108,6 +108,11 @@ def test_the_write_timeout_is_a_flag_with_a_ten_second_default():
     assert cli.parse_args(["--model", "builtin", "--write-timeout-ms", "0"]).write_timeout_ms == 0
 
 
+def test_fast_prefill_is_an_opt_in_flag():
+    assert cli.parse_args(["--model", "builtin"]).fast_prefill is False
+    assert cli.parse_args(["--model", "builtin", "--fast-prefill"]).fast_prefill is True
+
+
 def test_cuda_n_is_a_device_the_command_line_takes():
     assert cli.parse_args(["--model", "builtin", "--device", "cuda:1"]).device == "cuda:1"
 

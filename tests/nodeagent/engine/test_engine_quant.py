@@ -91,6 +91,46 @@ def test_the_int4_kernel_multiplies_by_its_dequantized_weight(shape, batch):
     assert relative_error(linear.dequantized(), weight) < 0.15, "int4 of a gaussian weight: about 9 %"
 
 
+needs_unpacking = pytest.mark.skipif(
+    quant.int4_unpack_width() is None, reason="the int4 kernel's layout is unknown here, or oneDNN lacks bf16"
+)
+
+
+@needs_int4
+@needs_unpacking
+@pytest.mark.parametrize("shape", [(64, 32), (192, 96), (960, 576)])
+def test_an_unpacked_int4_weight_is_the_kernels_own_weight(shape):
+    linear = quant.Int4Linear(torch.randn(*shape) * 0.05)
+    linear.unpack_prefill()
+    assert linear.unpack_width is not None
+    assert torch.equal(linear.unpacked_t().t().float(), linear.dequantized())
+
+
+@needs_int4
+@needs_unpacking
+@pytest.mark.parametrize("rows", [quant.UNPACK_ROWS - 1, quant.UNPACK_ROWS, 77, 300])
+def test_long_chunks_run_unpacked_within_bf16_of_the_kernel_and_short_ones_on_it(rows):
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(192, 96) * 0.05, torch.randn(192), torch.randn(rows, 96)
+    kernel, unpacked = quant.Int4Linear(weight, bias), quant.Int4Linear(weight, bias)
+    unpacked.unpack_prefill()
+    if rows < quant.UNPACK_ROWS:
+        assert torch.equal(unpacked(x), kernel(x))
+    else:
+        assert not torch.equal(unpacked(x), kernel(x)), "the GEMM sums in another order than the kernel"
+        assert relative_error(unpacked(x), kernel(x)) < quant.KERNEL_TOLERANCE
+
+
+@needs_int4
+@needs_unpacking
+def test_a_weight_whose_rows_do_not_fill_the_layouts_blocks_stays_on_the_kernel():
+    weight, x = torch.randn(quant.int4_unpack_width() + 16, 64), torch.randn(quant.UNPACK_ROWS, 64)
+    linear = quant.Int4Linear(weight)
+    linear.unpack_prefill()
+    assert linear.unpack_width is None
+    assert torch.equal(linear(x), quant.Int4Linear(weight)(x))
+
+
 @needs_int8
 @pytest.mark.parametrize("shape", [(1, 16), (7, 32), (100, 64), (257, 144)])
 @pytest.mark.parametrize("batch", [1, 5])
@@ -240,6 +280,19 @@ def test_a_prefix_cache_hit_on_int4_weights_changes_no_token(int4_model):
     assert again == causal_greedy(int4_model, list(range(30, 70)) + first + [5, 6], 10)
 
 
+@needs_unpacking
+def test_fast_prefill_changes_a_long_prompts_logits_only_within_bf16():
+    tensors = random_tensors(TINY, seed=11, std=0.1)
+    models = [LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, CPU, WeightFormat.INT4) for _ in "ab"]
+    assert models[1].unpack_prefill()
+    tokens = torch.tensor([list(range(7, 7 + 2 * quant.UNPACK_ROWS))])
+    with torch.inference_mode():
+        kernel, fast = (m.logits(m.run_causal(m.embed(tokens), 0, TINY.n_layers)) for m in models)
+    assert not torch.equal(kernel, fast)
+    assert float((kernel - fast).abs().max()) < 0.05 * float(kernel.abs().max())
+    assert float((kernel.argmax(-1) == fast.argmax(-1)).float().mean()) >= 0.95
+
+
 def test_quantized_weights_hold_a_fraction_of_the_float_bytes(int4_model):
     tensors = random_tensors(TINY, seed=11, std=0.1)
     floats = LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, CPU)
@@ -261,6 +314,22 @@ def test_a_quantized_gguf_loads_quantized_under_auto_and_names_why(tmp_path):
         assert daemon.model.weight_bytes() <= float_model.weight_bytes()
     finally:
         daemon.close()
+
+
+@needs_int4
+@needs_unpacking
+def test_the_serving_line_says_whether_fast_prefill_took(caplog):
+    fast = TorchDaemon.load("builtin", device="cpu", weights="int4", fast_prefill=True, kv_budget_mb=8)
+    try:
+        assert "int4 (as asked; fast prefill)" in fast.summary()
+    finally:
+        fast.close()
+    plain = TorchDaemon.load("builtin", device="cpu", weights="float", fast_prefill=True, kv_budget_mb=8)
+    try:
+        assert "fast prefill" not in plain.summary()
+        assert "prefill stays on the int4 kernel" in caplog.text
+    finally:
+        plain.close()
 
 
 def test_an_unknown_weights_format_fails_the_load_by_name():
