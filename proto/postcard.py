@@ -4,31 +4,34 @@ A struct is a dataclass whose annotations are wire types (`U64`, `Vec[U32]`, ano
 an `IntEnum` of unit variants, a `data_enum`); its fields are written in declaration order with
 nothing between them. Values are plain Python: int, float, bool, str, bytes, list, tuple, None.
 
-Each struct's encoder and decoder are compiled once, on first use, into Python functions with
-the scalar fields inlined; containers call their element type's own `encode` / `decode`.
-Decoding takes `(data, offset)` and returns `(value, next_offset)`; every failure is a
+Every wire type has a plain `encode(v, out)` and `decode(d, p)` (returning the value and the
+next offset), and these define the format: a struct loops over its fields, a list over its
+elements, every varint goes through `_write_varint` and `_read_varint`, and every failure is a
 `PostcardError` naming the field path and the byte offset.
 
-A varint is read by one piece of generated code (`_varint_src`), inlined wherever one is read:
-a struct's field, a varint list's element, a varint on its own. To a type checker the wire types
-are the Python types of their values (`U64` is `int`, `Vec[Str]` is `list[str]`), so a message's
-fields are typed as what they hold.
+Beside them are fast twins (`WireType.fast`), made only where the codec bench shows they pay:
+structs, data enums and lists are compiled on first use into Python functions with their
+scalars inlined, and varint lists join their bytes from a table. The fast twins track no field
+path: when one fails, `to_bytes` and `from_bytes` run the plain twin on the same input, whose
+error names the field, and whose answer stands. `tests/proto/test_postcard_twins.py` holds the
+two equal on every type of the catalog.
+
+To a type checker the wire types are the Python types of their values (`U64` is `int`,
+`Vec[Str]` is `list[str]`), so a message's fields are typed as what they hold.
 """
 
-import bisect
 import dataclasses
 import enum
 import functools
 import operator
-import sys
+import threading
 import types
 import typing
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from struct import Struct
 from struct import error as StructError
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, dataclass_transform
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar, dataclass_transform
 
 __all__ = [
     "PostcardError",
@@ -56,6 +59,8 @@ __all__ = [
 _C = TypeVar("_C", bound=type)
 #: Names a value for generated code: puts it in the code's namespace, returns the name.
 _Ref = Callable[[object], str]
+_Encoder = Callable[[Any, bytearray], None]
+_Decoder = Callable[[bytes, int], tuple[Any, int]]
 
 
 class PostcardError(ValueError):
@@ -85,24 +90,108 @@ def _eof(offset: int) -> PostcardError:
     return PostcardError("unexpected end of input", offset)
 
 
-def _as_error(exc: BaseException, data: bytes | None = None) -> PostcardError:
-    """The `PostcardError` for `exc`, raised while writing a value or reading one from `data`.
-
-    Reading validates every length against the input first, so an index past the end always
-    means the input ended: at `len(data)`.
-    """
+def _as_error(exc: BaseException) -> PostcardError:
+    """The `PostcardError` for `exc`, raised while writing a value."""
     if isinstance(exc, PostcardError):
         return exc
-    if data is not None and isinstance(exc, (IndexError, StructError)):
-        return _eof(len(data))
     return PostcardError(f"cannot encode: {type(exc).__name__}: {exc}")
 
 
+#: What writing a bad value raises, in a plain twin (made a `PostcardError` by `_as_error`) or
+#: a fast one.
 _ENCODE_ERRORS = (TypeError, ValueError, AttributeError, OverflowError, IndexError, KeyError, StructError)
-_DECODE_ERRORS = (PostcardError, IndexError, StructError)
+#: What a fast twin raises on bad input (`PostcardError` and `UnicodeDecodeError` are
+#: `ValueError`s); a plain twin raises `PostcardError` alone.
+_DECODE_ERRORS = (ValueError, IndexError, StructError)
 
 
-# Generated code
+# Varints: the plain writer and reader
+
+
+def _uint(v: Any, bits: int) -> int:
+    """`v` as an int of the unsigned `bits`-bit range."""
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise PostcardError(f"expected an int for u{bits}, got {type(v).__name__}") from None
+    if not 0 <= v < 1 << bits:
+        raise PostcardError(f"{v} is out of the u{bits} range")
+    return v
+
+
+def _write_varint(v: Any, bits: int) -> bytes:
+    """The LEB128 bytes of `v`, an int of the unsigned `bits`-bit range: seven bits a byte, the
+    lowest first, the top bit set on every byte but the last."""
+    v = _uint(v, bits)
+    out = bytearray()
+    while v >= 0x80:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _read_varint(d: bytes, p: int, bits: int) -> tuple[int, int]:
+    """The `bits`-bit varint at offset `p` of `d`, and the offset after it: at most ceil(bits/7)
+    bytes, the last of which may hold only the bits that remain. A longer encoding of a value
+    (`80 00` for 0) reads as Rust reads it."""
+    size = -(-bits // 7)
+    value = 0
+    for i in range(size):
+        if p + i >= len(d):
+            raise _eof(len(d))
+        b = d[p + i]
+        value |= (b & 0x7F) << 7 * i
+        if b < 0x80:
+            if i == size - 1 and b >> (bits - 7 * i):
+                raise PostcardError(f"varint above the u{bits} range", p)
+            return value, p + i + 1
+    raise PostcardError(f"varint longer than {size} bytes", p)
+
+
+def _read_len(d: bytes, p: int) -> tuple[int, int]:
+    """A length prefix at `p` (a `usize`, written as a u64 varint), and the offset after it."""
+    return _read_varint(d, p, 64)
+
+
+def _read_span(d: bytes, p: int) -> tuple[int, int]:
+    """A length prefix at `p` and the offsets of that many bytes after it."""
+    n, q = _read_len(d, p)
+    if n > len(d) - q:
+        raise PostcardError(f"length {n} runs past the end ({len(d) - q} bytes left)", p)
+    return q, q + n
+
+
+_SMALL = 1 << 14
+#: The varint of every value below 2**14, by value, for the fast twins.
+_VARINT = [_write_varint(v, 14) for v in range(_SMALL)]
+#: The first two bytes of every longer varint, by its low 14 bits.
+_LOW14 = [bytes([v & 0x7F | 0x80, v >> 7 | 0x80]) for v in range(_SMALL)]
+
+
+def _len_prefix(n: int) -> bytes:
+    """The length prefix of `n` bytes or elements."""
+    return _VARINT[n] if n < _SMALL else _write_varint(n, 64)
+
+
+def _read_bool(d: bytes, p: int) -> bool:
+    if d[p] > 1:
+        raise PostcardError(f"invalid bool byte 0x{d[p]:02x}", p)
+    return d[p] == 1
+
+
+def _write_bool(v: Any) -> bytes:
+    if v is True:
+        return b"\x01"
+    if v is False:
+        return b"\x00"
+    raise PostcardError(f"expected a bool, got {type(v).__name__}")
+
+
+_F32 = Struct("<f")
+
+
+# Generated code, for the fast twins
 
 
 def _function(ns: dict[str, Any], signature: str, body: list[str]) -> Callable[..., Any]:
@@ -118,55 +207,30 @@ def _indent(lines: Iterable[str], levels: int) -> list[str]:
     return [pad + line for line in lines]
 
 
-def _namer(ns: dict[str, Any]) -> _Ref:
-    """A `ref` for generated code in `ns`."""
+def _code_ns() -> tuple[dict[str, Any], _Ref]:
+    """A namespace for generated code, holding what `enc_src` / `dec_src` lines call by name,
+    and the `ref` naming anything else in it."""
+    ns: dict[str, Any] = {
+        "_VARINT": _VARINT,
+        "_LOW14": _LOW14,
+        "_F32": _F32,
+        "_len_prefix": _len_prefix,
+        "_read_bool": _read_bool,
+        "_write_bool": _write_bool,
+        "PostcardError": PostcardError,
+    }
 
     def ref(obj: object) -> str:
         name = f"_r{len(ns)}"
         ns[name] = obj
         return name
 
-    return ref
-
-
-def _field_at(exc: BaseException, starts: Sequence[int]) -> int:
-    """The index of the field whose lines (starting at `starts`) `exc` came through."""
-    tb: TracebackType | None = exc.__traceback__
-    return bisect.bisect_right(starts, tb.tb_lineno if tb else 0) - 1
-
-
-# Varints
-
-_SMALL = 1 << 14
-_VARINT = [bytes([v]) if v < 0x80 else bytes([v & 0x7F | 0x80, v >> 7]) for v in range(_SMALL)]
-# The first two bytes of every longer varint, by its low 14 bits.
-_LOW14 = [bytes([v & 0x7F | 0x80, v >> 7 | 0x80]) for v in range(_SMALL)]
-
-
-def _write_varint(v: Any, bits: int) -> bytes:
-    """The LEB128 bytes of `v`, which must be an int in the unsigned `bits`-bit range."""
-    try:
-        v = operator.index(v)
-    except TypeError:
-        raise PostcardError(f"expected an int for u{bits}, got {type(v).__name__}") from None
-    if not 0 <= v < 1 << bits:
-        raise PostcardError(f"{v} is out of the u{bits} range")
-    out = b""
-    while v >= _SMALL:
-        out += _LOW14[v & 0x3FFF]
-        v >>= 14
-    return out + _VARINT[v]
-
-
-def _len_prefix(n: int) -> bytes:
-    """The length prefix of `n` bytes or elements: a `usize`, written as a u64 varint."""
-    return _VARINT[n] if n < _SMALL else _write_varint(n, 64)
+    return ns, ref
 
 
 def _varint_src(bits: int, to: str) -> list[str]:
     """Source lines reading the `bits`-bit varint at offset `p` of bytes `d` into local `to` and
-    moving `p` past it: at most ceil(bits/7) bytes, the last one holding only the bits that
-    remain. Reading past the end is left to the caller, as an `IndexError`.
+    moving `p` past it, as `_read_varint` does; reading past the end is an `IndexError`.
 
     It is unrolled, one nested step a byte, which costs half what a loop does in Python. Each
     byte is added whole, continuation bit and all, and the sum of the continuation bits seen is
@@ -191,61 +255,33 @@ def _varint_src(bits: int, to: str) -> list[str]:
     return src
 
 
-def _read_span(d: bytes, p: int) -> tuple[int, int]:
-    """A length prefix at `p` and the offsets of that many bytes after it."""
-    n, q = _read_len(d, p)
-    if n > len(d) - q:
-        raise PostcardError(f"length {n} runs past the end ({len(d) - q} bytes left)", p)
-    return q, q + n
-
-
-def _check_bool(b: int, p: int) -> bool:
-    if b > 1:
-        raise PostcardError(f"invalid bool byte 0x{b:02x}", p)
-    return b == 1
-
-
-def _write_bool(v: Any) -> bytes:
-    if v is True:
-        return b"\x01"
-    if v is False:
-        return b"\x00"
-    raise PostcardError(f"expected a bool, got {type(v).__name__}")
-
-
-_F32 = Struct("<f")
-
-
-def _code_ns() -> dict[str, Any]:
-    """A namespace for generated code, holding what `enc_src` / `dec_src` lines call by name."""
-    return {
-        "_VARINT": _VARINT,
-        "_LOW14": _LOW14,
-        "_F32": _F32,
-        "_check_bool": _check_bool,
-        "_write_bool": _write_bool,
-        "_as_error": _as_error,
-        "_eof": _eof,
-        "_field_at": _field_at,
-        "_ENCODE_ERRORS": _ENCODE_ERRORS,
-        "_DECODE_ERRORS": _DECODE_ERRORS,
-        "PostcardError": PostcardError,
-    }
-
-
 # Wire types
+
+
+class _Fast(NamedTuple):
+    """A type's fast twins: `encode` and `decode` as the plain ones, and `read`, the value at
+    the start of some bytes. They may fail with any of `_ENCODE_ERRORS` / `_DECODE_ERRORS`."""
+
+    encode: _Encoder
+    decode: _Decoder
+    read: Callable[[bytes], Any]
+
+
+def _reader_of(decode: _Decoder) -> Callable[[bytes], Any]:
+    return lambda d: decode(d, 0)[0]
 
 
 class WireType:
     """How one Rust type is written; `name` spells it as Rust does, for messages.
 
-    `enc_src` / `dec_src` give the source lines a compiled struct inlines for a field of this
-    type: writing local `x` to bytearray `out`, or reading local `to` from bytes `d` at offset `p`
-    and advancing `p`. `ref(obj)` names `obj` in the compiled code's namespace. The default calls
-    the type's own `encode` / `decode`.
+    `encode` and `decode` are the plain twins. `enc_src` / `dec_src` give the source lines a
+    compiled twin inlines for a value of this type: writing local `x` to bytearray `out`, or
+    reading local `to` from bytes `d` at offset `p` and advancing `p`; `ref(obj)` names `obj` in
+    the compiled code's namespace. By default they call the type's fast twins.
     """
 
     name = "?"
+    _fast: _Fast | None = None
 
     def zero(self) -> Any:
         raise NotImplementedError
@@ -256,65 +292,89 @@ class WireType:
     def decode(self, d: bytes, p: int) -> tuple[Any, int]:
         raise NotImplementedError
 
-    def value_of(self, d: bytes) -> Any:
-        """The value at the start of `d`."""
-        return self.decode(d, 0)[0]
-
     def zero_sized(self) -> bool:
         """Whether every value of this type is written as no bytes at all."""
         return False
 
+    def fast(self) -> _Fast:
+        """The fast twins, made on first use; threads racing here each make a set and store it
+        whole."""
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self.make_fast()
+        return fast
+
+    def make_fast(self) -> _Fast:
+        """The fast twins; for a type without any, the plain ones."""
+        return _Fast(self.encode, self.decode, _reader_of(self.decode))
+
     def enc_src(self, ref: _Ref) -> list[str]:
-        return [f"{ref(self.encode)}(x, out)"]
+        return [f"{ref(self.fast().encode)}(x, out)"]
 
     def dec_src(self, ref: _Ref, to: str) -> list[str]:
-        return [f"{to}, p = {ref(self.decode)}(d, p)"]
+        return [f"{to}, p = {ref(self.fast().decode)}(d, p)"]
 
     def __repr__(self) -> str:
         return self.name
 
 
-class _Varint(WireType):
-    """An unsigned int of `bits` bits, as a LEB128 varint. Its own `encode` and `decode` are
-    compiled from the source it inlines into a struct."""
+class _Inlined(WireType):
+    """A type whose fast twins are the source it inlines into others, compiled on its own."""
+
+    def make_fast(self) -> _Fast:
+        ns, ref = _code_ns()
+        return _Fast(
+            _function(ns, "encode(x, out)", self.enc_src(ref)),
+            _function(ns, "decode(d, p)", [*self.dec_src(ref, "v"), "return v, p"]),
+            _function(ns, "read(d)", ["p = 0", *self.dec_src(ref, "v"), "return v"]),
+        )
+
+
+#: Source writing the varint of `x` from the tables: one of 3-4 bytes, one of 5-6.
+_LOW14_ONCE = "_LOW14[x & 0x3FFF] + _VARINT[x >> 14]"
+_LOW14_TWICE = "_LOW14[x & 0x3FFF] + _LOW14[x >> 14 & 0x3FFF] + _VARINT[x >> 28]"
+
+
+class _Varint(_Inlined):
+    """An unsigned int of `bits` bits, as a LEB128 varint."""
 
     def __init__(self, bits: int) -> None:
         self.name = f"u{bits}"
         self.bits = bits
-        ns = _code_ns()
-        ref = _namer(ns)
-        self.encode = _function(ns, "encode(x, out)", self.enc_src(ref))  # type: ignore[method-assign]
-        read = ["try:", *_indent(self.dec_src(ref, "v"), 1), "except IndexError:", "    raise _eof(len(d)) from None"]
-        self.decode = _function(ns, "decode(d, p)", [*read, "return v, p"])  # type: ignore[method-assign]
 
     def zero(self) -> int:
         return 0
 
-    def write(self, v: Any) -> bytes:
-        return _write_varint(v, self.bits)
+    def encode(self, v: Any, out: bytearray) -> None:
+        out += _write_varint(v, self.bits)
+
+    def decode(self, d: bytes, p: int) -> tuple[int, int]:
+        return _read_varint(d, p, self.bits)
 
     def enc_src(self, ref: _Ref) -> list[str]:
-        # Up to four bytes without a call, as `write` would: a node's counts, sizes and clocks
-        # (bytes of memory aside) are nearly all under 2^28, and the call costs more than the
-        # writing. Only an int takes the middle branch; `write` names what else is wrong.
-        top = min(1 << 28, 1 << self.bits)
-        return [
-            f"out += _VARINT[x] if 0 <= x < {_SMALL} else (_LOW14[x & 0x3FFF] + _VARINT[x >> 14])"
-            f" if type(x) is int and {_SMALL} <= x < {top} else {ref(self.write)}(x)"
-        ]
+        # Up to six bytes without a call, from the tables 14 bits a lookup: a node's counts and
+        # clocks are nearly all under 2^28 and its bytes of memory under 2^42, and the call
+        # costs more than the writing. Only an int takes the longer ways; the plain writer takes
+        # the rest, and refuses what is bad.
+        write = f"{ref(_write_varint)}(x, {self.bits})"
+        for low, lookup in [(1 << 28, _LOW14_TWICE), (_SMALL, _LOW14_ONCE)]:
+            if low < 1 << self.bits:
+                high = min(low << 14, 1 << self.bits)
+                write = f"({lookup}) if type(x) is int and {low} <= x < {high} else {write}"
+        return [f"out += _VARINT[x] if 0 <= x < {_SMALL} else {write}"]
 
     def dec_src(self, ref: _Ref, to: str) -> list[str]:
         return _varint_src(self.bits, to)
 
 
-class _U8(WireType):
+class _U8(_Inlined):
     name = "u8"
 
     def zero(self) -> int:
         return 0
 
     def encode(self, v: Any, out: bytearray) -> None:
-        out.append(v)
+        out.append(_uint(v, 8))
 
     def decode(self, d: bytes, p: int) -> tuple[int, int]:
         if p >= len(d):
@@ -328,7 +388,7 @@ class _U8(WireType):
         return [f"{to} = d[p]", "p += 1"]
 
 
-class _Bool(WireType):
+class _Bool(_Inlined):
     name = "bool"
 
     def zero(self) -> bool:
@@ -340,16 +400,16 @@ class _Bool(WireType):
     def decode(self, d: bytes, p: int) -> tuple[bool, int]:
         if p >= len(d):
             raise _eof(p)
-        return _check_bool(d[p], p), p + 1
+        return _read_bool(d, p), p + 1
 
     def enc_src(self, ref: _Ref) -> list[str]:
         return ["out += _write_bool(x)"]
 
     def dec_src(self, ref: _Ref, to: str) -> list[str]:
-        return [f"{to} = _check_bool(d[p], p)", "p += 1"]
+        return [f"{to} = _read_bool(d, p)", "p += 1"]
 
 
-class _F32Type(WireType):
+class _F32Type(_Inlined):
     name = "f32"
 
     def zero(self) -> float:
@@ -445,11 +505,11 @@ class _Unit(WireType):
 _U16 = _Varint(16)
 _U32 = _Varint(32)
 _U64 = _Varint(64)
-#: A length prefix at offset `p` of `d` (a `usize`, written as a u64 varint), and the offset after it.
-_read_len: Callable[[bytes, int], tuple[int, int]] = _U64.decode
 
 
 class _VecType(WireType):
+    """`Vec<T>`: the length, then each element. The fast twins inline the element in a loop."""
+
     def __init__(self, elem: WireType) -> None:
         self.elem = elem
         self.name = f"Vec<{elem.name}>"
@@ -459,10 +519,9 @@ class _VecType(WireType):
 
     def encode(self, v: Any, out: bytearray) -> None:
         out += _len_prefix(len(v))
-        put = self.elem.encode
         for i, x in enumerate(v):
             try:
-                put(x, out)
+                self.elem.encode(x, out)
             except _ENCODE_ERRORS as e:
                 raise _as_error(e).within(f"[{i}]") from None
 
@@ -472,11 +531,10 @@ class _VecType(WireType):
             if self.elem.zero_sized():
                 return self._zero_sized_run(d, p, n)
             raise PostcardError(f"{n} elements cannot fit in the {len(d) - p} bytes left", p)
-        get = self.elem.decode
         out = []
         for i in range(n):
             try:
-                x, p = get(d, p)
+                x, p = self.elem.decode(d, p)
             except PostcardError as e:
                 raise e.within(f"[{i}]") from None
             out.append(x)
@@ -486,11 +544,49 @@ class _VecType(WireType):
         """`n` elements that take no bytes, as upstream postcard reads them: however many the
         length says, with no input behind them. (No message of the catalog has such a list, so
         no peer can make the node build one.)"""
-        get = self.elem.decode
         try:
-            return [get(d, p)[0] for _ in range(n)], p
+            return [self.elem.decode(d, p)[0] for _ in range(n)], p
         except MemoryError:
             raise PostcardError(f"{n} elements of {self.elem.name} do not fit in memory", p) from None
+
+    def make_fast(self) -> _Fast:
+        ns, ref = _code_ns()
+        write = ["out += _len_prefix(len(v))", "for x in v:", *_indent(self.elem.enc_src(ref), 1)]
+        encode = _function(ns, "encode(v, out)", write)
+        loop = [*self.elem.dec_src(ref, "x"), "o.append(x)"]
+        body = [*self._length_src(ref), "o = []", "for _ in range(n):", *_indent(loop, 1), "return o, p"]
+        decode = _function(ns, "decode(d, p)", body)
+        return _Fast(encode, decode, _reader_of(decode))
+
+    def _length_src(self, ref: _Ref) -> list[str]:
+        """Source reading the length `n` at `p`; one past the end of the input (an error, or a
+        run of zero-sized elements) goes to the plain twin."""
+        return ["start = p", *_U64.dec_src(ref, "n"), "if n > len(d) - p:", f"    return {ref(self.decode)}(d, start)"]
+
+
+#: The varint of every value a varint list's fast twin has written, by value: the first 2**14
+#: at import, the rest at first sight up to `_TABLE_MAX` (2 MiB of slots at the most, a
+#: vocabulary's worth), a None in between. A list, not a dict: on a streaming node the dict's
+#: lookups, their entries out of cache, were a large share of its time.
+_TABLE_MAX = 1 << 18
+_TABLE: list[bytes | None] = list(_VARINT)
+_TABLE_GROWING = threading.Lock()
+#: A value's varint from the table: a value not in it yet is a None there, which `join`
+#: refuses, or past its end.
+_table_lookup = typing.cast(Callable[[int], bytes], _TABLE.__getitem__)
+
+
+def _table_varint(x: int, bits: int) -> bytes:
+    """The varint of `x`, from the table, written into it at first sight."""
+    if x >= _TABLE_MAX:
+        return _write_varint(x, bits)
+    if x >= len(_TABLE):
+        with _TABLE_GROWING:  # two threads growing it at once would each add what they saw missing
+            _TABLE.extend([None] * (x + 1 - len(_TABLE)))
+    b = _TABLE[x]
+    if b is None:
+        b = _TABLE[x] = _write_varint(x, bits)
+    return b
 
 
 def _array_code(bits: int) -> str:
@@ -498,166 +594,31 @@ def _array_code(bits: int) -> str:
     return next(code for code in "BHILQ" if array(code).itemsize * 8 == bits)
 
 
-#: The varint of every value seen in a token list that is not written all at once (a short
-#: list, such as a decode step's one-token event, a Vec<u64>, or a list with a zero), by value:
-#: the first 2**14 written at import, the rest as they come, up to this cap (2 MiB of slots at
-#: the most, a vocabulary's worth). A list, not a dict: on a streaming node the dict's lookups,
-#: their entries out of cache, were a large share of its time (long lists now skip the table:
-#: `_varints_at_once`).
-_VARINT_CACHE_MAX = 1 << 18
-_VARINTS: list[bytes | None] = list(_VARINT)
-#: A value's varint from the table: a value not in it yet is a None there, which `join`
-#: refuses, or past its end.
-_table_lookup = typing.cast(Callable[[int], bytes], _VARINTS.__getitem__)
-
-
-def _table_varint(x: int, write: Callable[[int], bytes]) -> bytes:
-    """The varint of `x` from the table, written into it at first sight."""
-    if x >= _VARINT_CACHE_MAX:
-        return write(x)
-    if x >= len(_VARINTS):  # two threads may both grow it: the longer list is as good
-        _VARINTS.extend([None] * (x + 1 - len(_VARINTS)))
-    b = _VARINTS[x]
-    if b is None:
-        b = _VARINTS[x] = write(x)
-    return b
-
-
-#: Varint lists at least this long are written by `_varints_at_once`, a couple dozen steps over
-#: the whole list as one Python int, which beats the table's join once its entries are out of
-#: cache, as on a streaming node. (numpy lets go of the GIL at each step of an array this long,
-#: and on a node with many threads each step then waits its turn.)
-_AT_ONCE_MIN = 128
-#: Values worked out together at most: the masks are kept for each run length.
-_AT_ONCE_RUN = 1024
-
-
-class _LaneMasks:
-    """Masks over `n` lanes of 8 bytes, one lane a value, each as one int: `groups[k]` keeps
-    group k (7 bits) in byte k, k < 5 (a value below 2**32 has five); `low7` (0x7F in bytes
-    0-4), added to the groups, sets bit 7 of each nonzero one, which `bit7` keeps; `continued`
-    is bit 7 of bytes 0-3, where a continuation bit may go; `first` bit 7 of byte 0; and
-    `beyond[bits]` the bits above a `bits`-bit value."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.groups = [self._lanes(0x7F << 8 * k) for k in range(5)]
-        self.low7 = self._lanes(0x7F7F7F7F7F)
-        self.bit7 = self._lanes(0x8080808080)
-        self.continued = self._lanes(0x80808080)
-        self.first = self._lanes(0x80)
-        self.beyond = {bits: self._lanes((1 << 64) - (1 << bits)) for bits in (16, 32)}
-
-    def _lanes(self, lane: int) -> int:
-        return int.from_bytes(lane.to_bytes(8, "little") * self.n, "little")
-
-
-@functools.lru_cache(maxsize=8)
-def _lane_masks(n: int) -> _LaneMasks:
-    return _LaneMasks(n)
-
-
-def _varints_at_once(values: Sequence[int], bits: int) -> bytearray | None:
-    """The LEB128 bytes of `values` (`bits` is 16 or 32), worked out `_AT_ONCE_RUN` at a time;
-    None when a value is zero, or is not an int of the range: the caller's other way says which."""
-    try:
-        lanes = array("Q", values)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if sys.byteorder == "big":
-        lanes.byteswap()
-    out = bytearray()
-    for i in range(0, len(lanes), _AT_ONCE_RUN):
-        run = _run_varints(lanes[i : i + _AT_ONCE_RUN], bits)
-        if run is None:
-            return None
-        out += run
-    return out
-
-
-def _run_varints(lanes: array, bits: int) -> bytes | None:
-    """The varints of little-endian u64 `lanes` as one int, a lane of 8 bytes a value: each
-    7-bit group k moves up k bits to byte k, byte k gets its continuation bit when a byte above
-    it in the lane is nonzero, and every zero byte is dropped. Only a zero value's varint is a
-    zero byte (a longer varint ends in its nonzero top group), so None when a value is zero (or
-    beyond `bits`). No shift carries a bit into the next lane, whose top 3 bytes stay empty."""
-    m = _lane_masks(len(lanes))
-    x = int.from_bytes(lanes, "little")
-    if x & m.beyond[bits]:
-        return None
-    g = m.groups
-    spread = x & g[0] | (x << 1) & g[1] | (x << 2) & g[2] | (x << 3) & g[3] | (x << 4) & g[4]
-    nonzero = (spread + m.low7) & m.bit7
-    here_or_above = nonzero | nonzero >> 8
-    here_or_above |= here_or_above >> 16  # bytes k to k + 3
-    above = here_or_above >> 8  # bytes k + 1 to k + 4
-    if (here_or_above | above) & m.first != m.first:
-        return None
-    return (spread | above & m.continued).to_bytes(8 * len(lanes), "little").translate(None, b"\0")
-
-
 class _VarintVec(_VecType):
-    """`Vec<u16|u32|u64>`, token lists above all.
-
-    Writing works out a long list of u16 or u32 values all at once (`_varints_at_once`), and
-    otherwise checks the whole list with `array` and joins cached varints in C; reading inlines
-    the element's varint in its loop. Any sequence of ints is written, bytes included.
-    """
+    """`Vec<u16|u32|u64>`, token lists above all. The fast twins check the whole list with
+    `array` and join its varints from the table in C, and read a run of one-byte varints in one
+    step. Any sequence of ints is written, bytes included."""
 
     def __init__(self, elem: _Varint) -> None:
         super().__init__(elem)
-        self.varint = elem
+        self.bits = elem.bits
         self.code = _array_code(elem.bits)
-        loop = ["for i in range(len(out)):", *_indent(_varint_src(elem.bits, "x"), 1), "    out[i] = x"]
-        self.read_run = _function(
-            _code_ns(),
-            "read_run(d, p, out)",
-            [
-                "i = 0",
-                "try:",
-                *_indent(loop, 1),
-                "except IndexError:",
-                "    raise _eof(len(d)).within(f'[{i}]') from None",
-                "except PostcardError as e:",
-                "    raise e.within(f'[{i}]') from None",
-                "return p",
-            ],
-        )
 
-    def encode(self, v: Any, out: bytearray) -> None:
+    def _write_joined(self, v: Any, out: bytearray) -> None:
+        array(self.code, v)  # refuses a value out of range (a negative one would index the table from its end)
         out += _len_prefix(len(v))
-        if len(v) >= _AT_ONCE_MIN and self.varint.bits <= 32:
-            at_once = _varints_at_once(v, self.varint.bits)
-            if at_once is not None:
-                out += at_once
-                return
-        try:
-            array(self.code, v)
-        except (TypeError, ValueError, OverflowError):
-            self._check_elements(v)
         try:
             out += b"".join(map(_table_lookup, v))
-        except (TypeError, IndexError):
-            write = self.varint.write
-            out += b"".join([_table_varint(x, write) for x in v])
+        except (TypeError, IndexError):  # a value not in the table yet
+            out += b"".join([_table_varint(x, self.bits) for x in v])
 
-    def _check_elements(self, v: Iterable[Any]) -> None:
-        """Raises for the first element out of range, where `array` took `v` as a whole amiss."""
-        for i, x in enumerate(v):
-            try:
-                self.varint.write(x)
-            except PostcardError as e:
-                raise e.within(f"[{i}]") from None
-
-    def decode(self, d: bytes, p: int) -> tuple[list[int], int]:
-        n, p = _read_len(d, p)
-        if n > len(d) - p:
-            raise PostcardError(f"{n} elements cannot fit in the {len(d) - p} bytes left", p)
-        run = d[p : p + n]
-        if run.isascii():
-            return list(run), p + n
-        out = [0] * n
-        return out, self.read_run(d, p, out)
+    def make_fast(self) -> _Fast:
+        ns, ref = _code_ns()
+        loop = [*self.elem.dec_src(ref, "x"), "o[i] = x"]
+        run = ["run = d[p : p + n]", "if run.isascii():", "    return list(run), p + n"]  # every value one byte
+        body = [*self._length_src(ref), *run, "o = [0] * n", "for i in range(n):", *_indent(loop, 1), "return o, p"]
+        decode = _function(ns, "decode(d, p)", body)
+        return _Fast(self._write_joined, decode, _reader_of(decode))
 
 
 class _OptionType(WireType):
@@ -751,16 +712,16 @@ class _UnitEnum(WireType):
     def encode(self, v: Any, out: bytearray) -> None:
         if not isinstance(v, self.cls):
             raise PostcardError(f"expected a {self.name}, got {type(v).__name__}")
-        out += _VARINT[v]
+        out += _write_varint(v, 32)
 
     def decode(self, d: bytes, p: int) -> tuple[enum.IntEnum, int]:
-        i, q = _U32.decode(d, p)
+        i, q = _read_varint(d, p, 32)
         if i >= len(self.members):
             raise PostcardError(f"unknown {self.name} variant {i}", p)
         return self.members[i], q
 
 
-class _DataEnum(WireType):
+class _DataEnum(_Inlined):
     """A Rust enum with data: the variant index as a varint, then the variant's fields.
 
     Each variant is a dataclass; a newtype variant is one with a single field, which postcard
@@ -772,46 +733,33 @@ class _DataEnum(WireType):
         self.name = cls.__name__
         self.variants: tuple[type, ...] = cls._variants  # type: ignore[attr-defined]
         self.structs = [_struct_of(v) for v in self.variants]
-        self.writers: dict[type, tuple[bytes, Callable[[Any, bytearray], None]]] | None = None
+        self.index = {v: i for i, v in enumerate(self.variants)}
 
     def zero(self) -> Any:
         return self.variants[0]()
 
-    def _writers(self) -> dict[type, tuple[bytes, Callable[[Any, bytearray], None]]]:
-        """Each variant's index bytes and field encoder, by its class (made on first use, as
-        the variants compile then)."""
-        if self.writers is None:
-            self.writers = {
-                v: (_VARINT[i], s.compiled_encode())
-                for i, (v, s) in enumerate(zip(self.variants, self.structs, strict=True))
-            }
-        return self.writers
-
     def encode(self, v: Any, out: bytearray) -> None:
-        found = self._writers().get(type(v))
-        if found is None:
+        i = self.index.get(type(v))
+        if i is None:
             raise PostcardError(f"expected a {self.name} variant, got {type(v).__name__}")
-        out += found[0]
-        found[1](v, out)
+        out += _write_varint(i, 32)
+        self.structs[i].encode(v, out)
 
     def decode(self, d: bytes, p: int) -> tuple[Any, int]:
-        i, q = _U32.decode(d, p)
+        i, q = _read_varint(d, p, 32)
         if i >= len(self.structs):
             raise PostcardError(f"unknown {self.name} variant {i}", p)
         return self.structs[i].decode(d, q)
 
     def enc_src(self, ref: _Ref) -> list[str]:
-        return [
-            f"w = {ref(self._writers())}.get(type(x))",
-            "if w is None:",
-            f"    {ref(self.encode)}(x, out)",
-            "else:",
-            "    out += w[0]",
-            "    w[1](x, out)",
-        ]
+        # Each variant's index bytes and fields' fast encoder, by its class.
+        writers = {v: (_VARINT[i], self.structs[i].fast().encode) for v, i in self.index.items()}
+        return [f"w = {ref(writers)}[type(x)]", "out += w[0]", "w[1](x, out)"]
 
     def dec_src(self, ref: _Ref, to: str) -> list[str]:
-        readers = tuple(s.compiled_decode() for s in self.structs)
+        # An index of one byte, as every catalog enum's is, picks the variant's fast decoder;
+        # any other goes to the plain twin.
+        readers = tuple(s.fast().decode for s in self.structs)
         return [
             f"if d[p] < {len(readers)}:",
             f"    {to}, p = {ref(readers)}[d[p]](d, p + 1)",
@@ -824,105 +772,65 @@ class _DataEnum(WireType):
 
 
 class _StructType(WireType):
-    """A dataclass, compiled on first use into an encoder and a decoder with inlined scalars."""
+    """A dataclass: its fields in declaration order."""
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
         self.name = cls.__name__
-        self.compiled = False
 
     def zero(self) -> Any:
         return self.cls()
 
     def zero_sized(self) -> bool:
-        return all(t.zero_sized() for _, t in self._fields())
+        return all(t.zero_sized() for _, t in self.fields)
 
-    def encode(self, v: Any, out: bytearray) -> None:
-        self._compile()
-        self.encode(v, out)
-
-    def decode(self, d: bytes, p: int) -> tuple[Any, int]:
-        self._compile()
-        return self.decode(d, p)
-
-    def value_of(self, d: bytes) -> Any:
-        self._compile()
-        return self.value_of(d)
-
-    def enc_src(self, ref: _Ref) -> list[str]:
-        return [f"{ref(self.compiled_encode())}(x, out)"]
-
-    def dec_src(self, ref: _Ref, to: str) -> list[str]:
-        return [f"{to}, p = {ref(self.compiled_decode())}(d, p)"]
-
-    def compiled_encode(self) -> Callable[[Any, bytearray], None]:
-        self._compile()
-        return self.encode
-
-    def compiled_decode(self) -> Callable[[bytes, int], tuple[Any, int]]:
-        self._compile()
-        return self.decode
-
-    def _fields(self) -> list[tuple[str, WireType]]:
+    @functools.cached_property
+    def fields(self) -> list[tuple[str, WireType]]:
+        """Each field's name and wire type, in declaration order."""
         return [(f.name, wire_type(f.type)) for f in dataclasses.fields(self.cls)]
 
-    def _compile(self) -> None:
-        """Replaces `encode`, `decode` and `value_of` on this instance with compiled functions.
+    def encode(self, v: Any, out: bytearray) -> None:
+        for name, t in self.fields:
+            try:
+                t.encode(getattr(v, name), out)
+            except _ENCODE_ERRORS as e:
+                raise _as_error(e).within(f".{name}") from None
 
-        Threads racing here each compile and set the same functions; `compiled` is set last, so
-        none can find it set before the functions are.
-        """
-        if self.compiled:
-            return
-        ns = _code_ns()
+    def decode(self, d: bytes, p: int) -> tuple[Any, int]:
+        values = []
+        for name, t in self.fields:
+            try:
+                x, p = t.decode(d, p)
+            except PostcardError as e:
+                raise e.within(f".{name}") from None
+            values.append(x)
+        return self.cls(*values), p
+
+    def make_fast(self) -> _Fast:
+        ns, ref = _code_ns()
         ns.update(NEW=self.cls, _new=object.__new__)
-        source = _struct_source(self._fields(), _namer(ns), _assigns_only(self.cls))
+        source = _struct_source(self.fields, ref, _assigns_only(self.cls))
         exec(compile(source, f"<postcard {self.name}>", "exec"), ns)
-        self.encode, self.decode, self.value_of = ns["encode"], ns["decode"], ns["value_of"]  # type: ignore[method-assign]
-        self.compiled = True
+        return _Fast(ns["encode"], ns["decode"], ns["read"])
 
 
 def _struct_source(fields: list[tuple[str, WireType]], ref: _Ref, assign: bool) -> str:
-    """The source of `encode(v, out)`, `decode(d, p)` and `value_of(d)` for a struct of
-    `fields`; with `assign`, decoding sets the fields on a bare instance rather than calling the
-    class. `value_of` is `decode` at offset 0 returning the value alone, the top level's
-    shortcut.
-
-    An error names its field from the line it came from (`_field_at`), so that the fast path
-    pays nothing for tracking where it is.
-    """
-    if not fields:
-        empty = ["def encode(v, out):", "    pass", "def decode(d, p):", "    return NEW(), p"]
-        return "\n".join(empty + ["def value_of(d):", "    return NEW()"])
-    names = ref(tuple("." + name for name, _ in fields))
-    enc, enc_starts = ["def encode(v, out):", "    try:"], []
-    body: list[str] = []
-    body_starts = []
+    """The source of the fast twins `encode(v, out)`, `decode(d, p)` and `read(d)` (`decode` at
+    offset 0 returning the value alone, the top level's shortcut) of a struct of `fields`, with
+    their scalars inlined. With `assign`, decoding sets the fields on a bare instance rather
+    than calling the class."""
+    encode = ["def encode(v, out):"] + ([] if fields else ["    pass"])
+    body = []
     for i, (name, t) in enumerate(fields):
-        enc_starts.append(len(enc) + 1)
-        enc += [f"        x = v.{name}", *_indent(t.enc_src(ref), 2)]
-        body_starts.append(len(body))
-        body += _indent(t.dec_src(ref, f"x{i}"), 2)
-    enc += [
-        "    except _ENCODE_ERRORS as e:",
-        f"        raise _as_error(e).within({names}[_field_at(e, {ref(enc_starts)})]) from None",
-    ]
+        encode += _indent([f"x = v.{name}", *t.enc_src(ref)], 1)
+        body += _indent(t.dec_src(ref, f"x{i}"), 1)
     if assign:
         build = ["    o = _new(NEW)"] + [f"    o.{name} = x{i}" for i, (name, _) in enumerate(fields)]
     else:
         build = ["    o = NEW(" + ", ".join(f"x{i}" for i in range(len(fields))) + ")"]
-    lines = enc
-    decode_head = ["def decode(d, p):", "    try:"]
-    value_of_head = ["def value_of(d):", "    p = 0", "    try:"]
-    for head, result in [(decode_head, "o, p"), (value_of_head, "o")]:
-        starts = [len(lines) + len(head) + 1 + line for line in body_starts]
-        lines = lines + head + body
-        lines += [
-            "    except _DECODE_ERRORS as e:",
-            f"        raise _as_error(e, d).within({names}[_field_at(e, {ref(starts)})]) from None",
-        ]
-        lines += build + [f"    return {result}"]
-    return "\n".join(lines)
+    decode = ["def decode(d, p):", *body, *build, "    return o, p"]
+    read = ["def read(d):", "    p = 0", *body, *build, "    return o"]
+    return "\n".join(encode + decode + read)
 
 
 def _assigns_only(cls: type) -> bool:
@@ -1049,13 +957,18 @@ else:
 
 def to_bytes(value: Any, wire: Any = None) -> bytes:
     """The postcard bytes of `value`, of type `wire` (by default its own class, a dataclass)."""
-    t = wire_type(type(value) if wire is None else wire)
+    key = type(value) if wire is None else wire
+    try:
+        write = _WRITERS[key]
+    except KeyError:
+        write = _WRITERS[key] = wire_type(key).fast().encode
     out = bytearray()
     try:
-        t.encode(value, out)
-    except _ENCODE_ERRORS as e:
-        raise _as_error(e).within(t.name) from None
-    return bytes(out)
+        write(value, out)
+        return bytes(out)
+    except _ENCODE_ERRORS:
+        pass  # the plain twin says which field is wrong
+    return _encode_plainly(wire_type(key), value)
 
 
 def from_bytes(cls: Any, data: Any) -> Any:
@@ -1064,7 +977,7 @@ def from_bytes(cls: Any, data: Any) -> Any:
     try:
         read = _READERS[cls]
     except KeyError:
-        read = _reader(cls)
+        read = _READERS[cls] = wire_type(cls).fast().read
     if type(data) is not bytes:
         try:
             data = bytes(memoryview(data))
@@ -1072,21 +985,32 @@ def from_bytes(cls: Any, data: Any) -> Any:
             raise PostcardError(f"expected bytes, got {type(data).__name__}").within(wire_type(cls).name) from None
     try:
         return read(data)
-    except PostcardError as e:
-        raise e.within(wire_type(cls).name) from None
+    except _DECODE_ERRORS:
+        pass  # the plain twin says which field is wrong, and where
+    return _decode_plainly(wire_type(cls), data)
 
 
-#: Each type's `value_of` once compiled, by what `from_bytes` is given: on the hot path (every
-#: frame a node receives) the wire type's own lookup and attribute cost a tenth of a small decode.
+#: Each type's fast twins by what `to_bytes` and `from_bytes` are given: on the hot path (every
+#: frame a node sends and receives) the wire type's own lookup and attribute cost a tenth of a
+#: small message.
+_WRITERS: dict[Any, _Encoder] = {}
 _READERS: dict[Any, Callable[[bytes], Any]] = {}
 
 
-def _reader(cls: Any) -> Callable[[bytes], Any]:
-    t = wire_type(cls)
-    if isinstance(t, _StructType):
-        t.compiled_decode()  # so `value_of` below is the compiled one, not the compiling step
-    read = _READERS[cls] = t.value_of
-    return read
+def _encode_plainly(t: WireType, value: Any) -> bytes:
+    out = bytearray()
+    try:
+        t.encode(value, out)
+    except _ENCODE_ERRORS as e:
+        raise _as_error(e).within(t.name) from None
+    return bytes(out)
+
+
+def _decode_plainly(t: WireType, data: bytes) -> Any:
+    try:
+        return t.decode(data, 0)[0]
+    except PostcardError as e:
+        raise e.within(t.name) from None
 
 
 def to_plain(value: Any) -> Any:

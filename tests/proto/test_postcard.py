@@ -44,7 +44,6 @@ from proto.postcard import (
     Tuple,
     Unit,
     Vec,
-    _varints_at_once,
     data_enum,
     from_bytes,
     struct,
@@ -225,8 +224,7 @@ def test_a_token_list_is_its_varints_whether_or_not_the_table_has_them(tokens, w
     assert to_bytes(tokens, Vec[wire]) == first
 
 
-#: Values about each varint length's edges, and zeros, which the whole-list writer leaves to
-#: the table.
+#: Values about each varint length's edges.
 LONG_LIST_VALUES = st.sampled_from([0, 1, 127, 128, 16383, 16384, (1 << 21) - 1, 1 << 21, (1 << 28) - 1, 1 << 28])
 
 
@@ -237,18 +235,12 @@ LONG_LIST_VALUES = st.sampled_from([0, 1, 127, 128, 16383, 16384, (1 << 21) - 1,
     n=st.sampled_from([127, 128, 129, 1023, 1024, 1025, 2049]) | st.integers(100, 2100),
 )
 def test_a_long_list_writes_each_varint_as_a_short_one_does(data, wire, n):
-    """Lists of `postcard._AT_ONCE_MIN` values and more are written all at once, a run of
-    `_AT_ONCE_RUN` at a time: the same bytes as each value alone, zeros among them or not (the
-    whole-list writer leaves a list with a zero to the table, and must write every other)."""
+    """A list of a mock batch's length is each value's varint, and reads back."""
     top = 0xFFFF if wire is U16 else 0xFFFFFFFF
     value = LONG_LIST_VALUES.filter(lambda x: x <= top) | st.integers(0, top)
-    if data.draw(st.booleans(), "no zero"):
-        value = value.filter(bool)
     values = data.draw(st.lists(value, min_size=n, max_size=n))
-    each = b"".join(to_bytes(x, wire) for x in values)
-    expected = to_bytes(n, U64) + each
+    expected = to_bytes(n, U64) + b"".join(to_bytes(x, wire) for x in values)
     assert to_bytes(values, Vec[wire]) == expected
-    assert _varints_at_once(values, 16 if wire is U16 else 32) == (None if 0 in values else each)
     assert to_bytes(tuple(values), Vec[wire]) == expected
     assert from_bytes(Vec[wire], expected) == values
 
