@@ -42,6 +42,10 @@ AUTO_MAX_TIME_SHARE = 0.8
 #: run one GEMM (`Int4Linear.unpack_prefill`): the kernel's time grows with its rows as a
 #: matrix-vector product's does, a GEMM's far less.
 UNPACK_ROWS = 64
+#: An unpacked weight is made and multiplied a slice of its output rows at a time, each at most
+#: this many bytes: the GEMM then reads a slice the cache still holds, and the slices reuse
+#: heap memory where a whole big weight would be fresh pages from the kernel every time.
+UNPACK_SLICE_BYTES = 4 * 2**20
 
 
 class WeightFormatError(Exception):
@@ -226,27 +230,41 @@ class Int4Linear:
         padded = padded_rows(count)
         if padded != count:
             rows = F.pad(rows, (0, 0, 0, padded - count))
-        return torch.mm(rows, self.unpacked_t())[:count]
+        parts = [torch.mm(rows, self.unpacked_t(start, end)) for start, end in self._slices()]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1))[:count]
+
+    def _slices(self) -> list[tuple[int, int]]:
+        """The output rows [start, end) of each slice `_unpacked_product` unpacks at once."""
+        assert self.unpack_width is not None
+        width = self.unpack_width
+        step = max(1, UNPACK_SLICE_BYTES // (2 * self.in_features * width)) * width
+        return [(start, min(start + step, self.out_features)) for start in range(0, self.out_features, step)]
 
     def warm(self, max_rows: int) -> None:
-        """Runs an unpacked product at each padded row count from `UNPACK_ROWS` to `max_rows`
-        on this thread (see `Linear.warm`)."""
+        """Runs an unpacked product's GEMMs at each padded row count from `UNPACK_ROWS` to
+        `max_rows` on this thread (see `Linear.warm`)."""
         if self.unpack_width is None:
             return
-        weight_t = torch.zeros(self.in_features, self.out_features, dtype=torch.bfloat16)
+        widths = {end - start for start, end in self._slices()}
         for rows in sorted({padded_rows(r) for r in range(UNPACK_ROWS, max_rows + 1)}):
-            torch.mm(torch.zeros(rows, self.in_features, dtype=torch.bfloat16), weight_t)
+            for width in widths:
+                x = torch.zeros(rows, self.in_features, dtype=torch.bfloat16)
+                torch.mm(x, torch.zeros(self.in_features, width, dtype=torch.bfloat16))
 
-    def unpacked_t(self) -> torch.Tensor:
-        """W.T [in, out] in bf16, each weight (code - 8) * scale + zero as the kernel computes
-        it, unpacked from the kernel's blocks of `unpack_width` rows."""
+    def unpacked_t(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """W.T [in, out][:, start:end] in bf16, each weight (code - 8) * scale + zero as the
+        kernel computes it, unpacked from the kernel's blocks of `unpack_width` rows (`start`
+        and `end` fall on block edges)."""
         width = self.unpack_width
         assert width is not None
-        blocks, groups = self.out_features // width, self.in_features // INT4_GROUP
-        codes = _blocked_codes(self.packed, self.out_features, self.in_features, width).view(torch.int8) - 8
+        end = self.out_features if end is None else end
+        blocks, groups, half = (end - start) // width, self.in_features // INT4_GROUP, self.in_features // 2
+        packed = self.packed.view(-1)[start * half : end * half]
+        codes = _blocked_codes(packed, end - start, self.in_features, width).view(torch.int8) - 8
         codes = codes.view(blocks, groups, INT4_GROUP, width).to(torch.bfloat16)
-        scale, zero = self.scales_and_zeros.view(groups, blocks, 1, width, 2).permute(4, 1, 0, 2, 3).contiguous()
-        weight_t = torch.empty(self.in_features, self.out_features, dtype=torch.bfloat16)
+        pairs = self.scales_and_zeros[:, start:end].view(groups, blocks, 1, width, 2)
+        scale, zero = pairs.permute(4, 1, 0, 2, 3).contiguous()
+        weight_t = torch.empty(self.in_features, end - start, dtype=torch.bfloat16)
         blocked = weight_t.view(groups, INT4_GROUP, blocks, width).permute(2, 0, 1, 3)
         torch.addcmul(zero, codes, scale, out=blocked)
         return weight_t

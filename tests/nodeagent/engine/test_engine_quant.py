@@ -123,6 +123,21 @@ def test_long_chunks_run_unpacked_within_bf16_of_the_kernel_and_short_ones_on_it
 
 @needs_int4
 @needs_unpacking
+def test_a_weight_unpacked_in_slices_is_the_whole_weight(monkeypatch):
+    width = quant.int4_unpack_width()
+    linear = quant.Int4Linear(torch.randn(5 * width, 96) * 0.05)
+    linear.unpack_prefill()
+    x = torch.randn(quant.UNPACK_ROWS + 3, 96)
+    whole = linear(x)
+    monkeypatch.setattr(quant, "UNPACK_SLICE_BYTES", 2 * 96 * 2 * width)  # slices of 2, 2 and 1 blocks
+    assert [end - start for start, end in linear._slices()] == [2 * width, 2 * width, width]
+    slices = [linear.unpacked_t(start, end) for start, end in linear._slices()]
+    assert torch.equal(torch.cat(slices, 1), linear.unpacked_t())
+    assert torch.allclose(linear(x), whole, rtol=1e-2, atol=1e-3)
+
+
+@needs_int4
+@needs_unpacking
 def test_a_weight_whose_rows_do_not_fill_the_layouts_blocks_stays_on_the_kernel():
     weight, x = torch.randn(quant.int4_unpack_width() + 16, 64), torch.randn(quant.UNPACK_ROWS, 64)
     linear = quant.Int4Linear(weight)
