@@ -22,6 +22,7 @@ If the thread itself dies, every generation ends and the engine stays failed.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import logging
@@ -29,6 +30,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -70,6 +72,9 @@ WATCH_PERIOD_S = 0.25
 #: Decode steps without running out of memory after which the lane cap an out-of-memory step
 #: set grows by one lane again.
 OOM_CALM_STEPS = 64
+#: Schedulers not yet closed. A process that exits with one running closes it first: a
+#: scheduler thread the interpreter's exit tore down aborted the process (exit 134).
+_RUNNING: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,7 @@ class Scheduler:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch-scheduler", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
         if stall_timeout_s > 0:
             threading.Thread(target=self._watch, name="torch-watchdog", daemon=True).start()
 
@@ -382,6 +388,7 @@ class Scheduler:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the thread; a stalled or failed one is not waited for."""
+        _RUNNING.discard(self)
         self._closing.set()
         with self._cond:
             self._stopping = True
@@ -803,3 +810,9 @@ class Scheduler:
         """Ends a generation taken off its queue before it ran: its caller gets CANCELLED."""
         gen.state = DONE
         gen.out.put((END, finish.CANCELLED))
+
+
+@atexit.register
+def _close_running() -> None:
+    for scheduler in list(_RUNNING):
+        scheduler.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -170,3 +172,14 @@ def test_the_scheduler_thread_takes_its_own_thread_count():
     finally:
         daemon.close()
         torch.set_num_threads(before)
+
+
+def test_a_process_that_exits_with_an_engine_open_exits_cleanly():
+    """The engine is closed at exit: its scheduler thread torn down by the interpreter's exit
+    aborted the process."""
+    script = (
+        "from nodeagent.engine.torch_engine import TorchDaemon\n"
+        "TorchDaemon.load('builtin', device='cpu', kv_budget_mb=8)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
