@@ -27,8 +27,8 @@ def open_engine(
     """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
 
     `token_delay_s` slows the mock's every step, so tests can hold a generation open. The
-    stall timeout, the failpoints, fast prefill and tensor parallelism are the torch engine's: the mock has no
-    scheduler thread and no layers to split.
+    stall timeout, the failpoints, fast prefill and tensor parallelism are the torch engine's:
+    the mock has no scheduler thread and no layers to split.
     """
     if runtime == "mock":
         from nodeagent.engine.mock import MOCK_WINDOW, MockDaemon

@@ -40,6 +40,12 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def padded_sizes(low: int, high: int) -> list[int]:
+    """Every row count `padded_rows` gives for `low` to `high` rows, smallest first: what a
+    projection warms."""
+    return sorted({padded_rows(r) for r in range(low, high + 1)})
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and onednn_linear_works()
 
@@ -98,7 +104,7 @@ class Linear:
     def warm(self, max_rows: int) -> None:
         """Runs the projection once at each padded row count up to `max_rows` on this thread."""
         if self.packed:
-            for rows in sorted({padded_rows(r) for r in range(1, max_rows + 1)}):
+            for rows in padded_sizes(1, max_rows):
                 self._packed(torch.zeros(rows, self.in_features))
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:

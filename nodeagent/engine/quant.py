@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nodeagent.engine.choices import WeightFormat
-from nodeagent.engine.linear import Linear, padded_rows
+from nodeagent.engine.linear import Linear, padded_rows, padded_sizes
 
 INT4_GROUP = 32
 #: The int4 kernel packs output rows in tiles of 16.
@@ -245,11 +245,11 @@ class Int4Linear:
         `max_rows` on this thread (see `Linear.warm`)."""
         if self.unpack_width is None:
             return
-        widths = {end - start for start, end in self._slices()}
-        for rows in sorted({padded_rows(r) for r in range(UNPACK_ROWS, max_rows + 1)}):
-            for width in widths:
-                x = torch.zeros(rows, self.in_features, dtype=torch.bfloat16)
-                torch.mm(x, torch.zeros(self.in_features, width, dtype=torch.bfloat16))
+        slices = [torch.zeros(self.in_features, w, dtype=torch.bfloat16) for w in {e - s for s, e in self._slices()}]
+        for rows in padded_sizes(UNPACK_ROWS, max_rows):
+            x = torch.zeros(rows, self.in_features, dtype=torch.bfloat16)
+            for weight_t in slices:
+                torch.mm(x, weight_t)
 
     def unpacked_t(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """W.T [in, out][:, start:end] in bf16, each weight (code - 8) * scale + zero as the

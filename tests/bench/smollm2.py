@@ -44,6 +44,7 @@ def up_to_end(tokens: list[int]) -> list[int]:
 #: The forward's threads, ours and transformers' alike.
 THREADS = 2
 
+
 class Ours:
     """The engine with the end tokens cleared, so every run decodes exactly n tokens."""
 
