@@ -74,17 +74,17 @@ class Consumer(Protocol):
     block the next `on_tokens`, so an engine may give the generation's lane to another until
     `wait_room` says it can move again.
 
-    An engine that batches on a thread of its own may hand each batch to `offer` from that
+    An engine that batches on a thread of its own may hand each batch to `post` from that
     thread instead of passing it back to the caller's thread for `on_tokens`: one thread wake
-    less per token, which is what lets the wire keep up with a batched decode. `offer` never
+    less per token, which is what lets the wire keep up with a batched decode. `post` never
     blocks, so such an engine looks at `behind` before producing more; every batch must be
-    offered, in order, before the call returns."""
+    posted, in order, before the call returns."""
 
     def behind(self) -> bool: ...
 
     def wait_room(self, timeout: float) -> bool: ...
 
-    def offer(self, batch: list[int]) -> bool:
+    def post(self, batch: list[int]) -> bool:
         """Takes `batch` without waiting, even past the bound; False once the generation is
         cancelled, which takes nothing."""
         ...
@@ -198,7 +198,7 @@ class Daemon(abc.ABC):
         on_tokens: OnTokens,
     ) -> GenerationResult:
         """Generate up to `max_tokens` after `stream`, handing each batch to `on_tokens` (or
-        to `extras.consumer.offer`: see `Consumer`).
+        to `extras.consumer.post`: see `Consumer`).
 
         `deadline_ms` is a wall budget from the call (0 = none): past it the call returns
         `GenerationResult([], finish.NONE, expired=True)`. `on_tokens` returning False returns at

@@ -6,7 +6,7 @@ loop that falls behind (a head that does not read or does not acknowledge) holds
 back instead of letting its tokens pile up in memory. An engine may ask `behind()` before a step
 and give its lane to another generation while this one cannot move. Every hand-over sets the
 connection's waker, so the loop sleeps in poll(2) until there is something to send. An
-engine's own thread, which must never block, `offer`s its batches past the bound instead.
+engine's own thread, which must never block, `post`s its batches past the bound instead.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _slots(item: list[int] | Done) -> int:
 
 class _Batches(queue.Queue):
     """A `queue.Queue` bounded in slots (`_slots` of each item, not one an item) that can also
-    wait for room without putting anything, and take an engine's `offer` past its bound."""
+    wait for room without putting anything, and take an engine's `post` past its bound."""
 
     def _init(self, maxsize: int) -> None:
         super()._init(maxsize)
@@ -100,7 +100,7 @@ class Outbox:
         """Hands over the end, after every batch; dropped once the loop has let go."""
         self._hand_over(Done(generated), self._released)
 
-    def offer(self, batch: list[int]) -> bool:
+    def post(self, batch: list[int]) -> bool:
         """Hands `batch` over at once, full or not (an engine's own thread must never block
         here; it looks at `behind` before each step instead); False once cancelled."""
         if self._cancel.is_set():

@@ -236,7 +236,7 @@ class Generation:
         to the caller reading `out`."""
         if self.consumer is None:
             self.out.put((TOKEN, token))
-        elif not self.consumer.offer([token]):
+        elif not self.consumer.post([token]):
             self.refused = True
 
 

@@ -232,7 +232,7 @@ def test_many_connections_stream_token_exact_together(start_node, versions):
 
 
 class OfferingMock(MockDaemon):
-    """The mock's tokens offered one a step from the generation's thread, as the torch
+    """The mock's tokens posted one a step from the generation's thread, as the torch
     scheduler offers its steps."""
 
     STEP_S = 0.01
@@ -241,7 +241,7 @@ class OfferingMock(MockDaemon):
         made = super().generate_tokens_streaming(stream, params, max_tokens, deadline_ms, GenExtras(), bool)
         for i, token in enumerate(made.tokens):
             time.sleep(self.STEP_S)
-            if extras.cancelled() or not extras.consumer.offer([token]):
+            if extras.cancelled() or not extras.consumer.post([token]):
                 return GenerationResult(made.tokens[:i], finish.CANCELLED)
         return made
 
@@ -293,7 +293,7 @@ def test_the_outbox_bounds_the_tokens_that_wait_whatever_the_batch_size(batch):
     tokens, done = out.take(batch)
     assert tokens == list(range(batch)) and done is None
     assert not out.behind(), "taking a batch frees its slots"
-    assert out.offer(list(range(batch))) and out.offer(list(range(batch))), "an offer goes past the bound"
+    assert out.post(list(range(batch))) and out.post(list(range(batch))), "a post goes past the bound"
     assert len(out.take(10**9)[0]) == (fits + 1) * batch
     waker.close()
 

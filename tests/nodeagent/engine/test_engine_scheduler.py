@@ -391,13 +391,13 @@ class Taker:
         self.outbox = Outbox(self.waker, self.cancel)
         self.threads: set[str] = set()
         self.tokens: list[int] = []
-        offer = self.outbox.offer
+        post = self.outbox.post
 
         def noted(batch: list[int]) -> bool:
             self.threads.add(threading.current_thread().name)
-            return offer(batch)
+            return post(batch)
 
-        self.outbox.offer = noted
+        self.outbox.post = noted
 
     def take(self) -> None:
         self.tokens += self.outbox.take(1 << 20)[0]
@@ -467,7 +467,7 @@ def test_a_consumer_that_falls_behind_holds_its_lane_back_then_gets_the_rest(mak
 
 
 def test_a_consumer_that_refuses_stops_the_generation_and_frees_its_lane(make):
-    """Once the generation is cancelled the outbox refuses the next offer: the scheduler stops
+    """Once the generation is cancelled the outbox refuses the next post: the scheduler stops
     the lane at once, the call ends CANCELLED and the pool is empty."""
     daemon = make()
     taker = Taker()
