@@ -8,9 +8,8 @@ A and on node B, in an order that rotates through all six, and takes each one's 
 step (the scheduler's count, in process or from the node's /metrics). Prints the medians, and
 for A against B the median step ratio and how many rounds B won. It prints each node's part of a
 step beside the model's forward too (choosing the tokens and sending them), the part a change
-to the send path moves, without the forward's own swing. Over one run of 30 rounds, two
-copies of the same tree read 1.007 (15 of 30), and one pair of trees read 1.021 and then 0.992
-in two runs: on the 2-core machine a difference under about 2 % needs several runs.
+to the send path moves, without the forward's own swing. On a 2-core machine a difference of a
+couple of per cent needs several runs (docs/performance.md).
 
 Run: .venv/bin/python tests/bench/ab_decode.py TREE_A TREE_B [ROUNDS]
 (a tree: a checkout or `git archive REV | tar -x -C DIR`; ROUNDS default 30, 4-5 minutes)

@@ -5,8 +5,8 @@ Starts one `superfluid-noded --runtime mock` from each tree (each imports its ow
 in `ab_decode.py`; the head here decodes with this tree's). Each trial streams on node A and on
 node B, 1 and 8 connections each, in reverse order every other trial (`serve.in_turn`). Prints
 per connection count the median rates and, for B against A, the median ratio and how many
-trials B won; then each node's median 8-to-1 ratio. One trial swings ±25 % with the machine's
-load, so 20 trials (4 minutes) settle about 5 %.
+trials B won; then each node's median 8-to-1 ratio. One trial swings with the machine's load,
+so the default 20 trials (about 4 minutes) settle a difference of about 5 %.
 
 Run: .venv/bin/python tests/bench/ab_stream.py TREE_A TREE_B [TRIALS]
 (a tree: a checkout or `git archive REV | tar -x -C DIR`; TRIALS default 20)

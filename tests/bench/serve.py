@@ -71,27 +71,16 @@ from proto.linkf import (  # noqa: E402
 
 QUICK = "--quick" in sys.argv
 STREAM_TOKENS = 300_000 if QUICK else 1_000_000
-#: Trials of each streaming figure, whose ratios are paired within a trial: one trial swings
-#: ±25 % with the machine's load (8 connections against 1 read 0.57-1.22 in six trials on one
-#: node). 16 threads (a loop and a worker a connection) share the GIL: while each system call
-#: let go of it, the median 8-to-1 ratio read 0.87-0.95 over eight runs of `ab_stream.py` (8,600
-#: against 2,000 context switches a million tokens); with the calls that cannot block made
-#: holding it (`linkf.gil_held`), 1.10 and 1.13 in two runs. A trial takes about 2 s, and the
-#: median of 9 read 1.00-1.11 over four runs of the same code: 27 trials cut its sampling
-#: error to about 60 %, for a minute more. One node differs from the next as much again: four
-#: nodes of the same code, 50 trials each, read medians of 0.98-1.07 in one run and 1.06-1.14
-#: in another, so the trials are spread over `STREAM_NODES` nodes started one after the other,
-#: and there are 45 of them (a 95 % interval about ±0.06 wide, against ±0.08 for 27).
+#: Trials of each streaming figure, spread over `STREAM_NODES` nodes started one after the
+#: other: one trial swings with the machine's load and one node differs from the next, so the
+#: figure is the median of many paired trials (docs/performance.md says how many settle it).
 STREAM_TRIALS = 1 if QUICK else 45
 STREAM_NODES = 1 if QUICK else 3
 PROMPT = [1, 2, 3, 4]
 DECODE_TOKENS = 32
 #: Rounds of 8-lane decode, in process then over the wire: the ratio is the median of the
-#: rounds' ratios, since one round swings ±15 % with the machine's load. Many short rounds
-#: rather than a few long ones, so each pair runs within about a second. The median of 30
-#: moved 0.92-0.975 over ten runs of the same code, about what sampling alone gives (its
-#: standard error: 1.25 x 8 % / sqrt(30), 1.8 %); 90 rounds bring that to 1 %, for about a
-#: minute more. A change of a few per cent is still judged with `ab_decode.py`.
+#: rounds' ratios, many short rounds rather than a few long ones, so that each pair runs within
+#: about a second and a burst of load elsewhere moves one round, not the figure.
 DECODE_ROUNDS = 8 if QUICK else 90
 DECODE_LANES = 8
 DECODE_PROMPT = list(range(1, 33))
@@ -505,9 +494,8 @@ def never_ack_rows(home: Path) -> list[Row]:
 
 def torch_rows(home: Path) -> list[Row]:
     """Time to first token is the best of three rounds that alternate in process and over the
-    wire, each the median of nine (one prefill ranged 31-43 ms, tenth to ninetieth percentile,
-    over 60 trials on a busy day, so a median of five could swing either side by several
-    milliseconds); the decode figures the median ratio of paired rounds. Either way a burst of load
+    wire, each the median of nine (one prefill swings by several milliseconds on a busy
+    machine); the decode figures the median ratio of paired rounds. Either way a burst of load
     elsewhere on the machine does not decide the figure. Each decode round gives two figures:
     its tokens a second, and the engine's mean decode step (the scheduler's own count, read
     in process or from the node's /metrics), which leaves out the round's prefill and start.
