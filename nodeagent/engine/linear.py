@@ -7,17 +7,18 @@ decode faster than the MKL path of `F.linear`, and single-row decode no slower. 
 A packed weight is opaque (no row can be read back), so a tied lm_head, which is also the
 embedding table, is not packed: one copy serves both, laid out by `tied_layout`.
 
-oneDNN builds and keeps a primitive for every input row count it meets (its primitive cache and
-ideep's, about 0.45 MB an entry and weight shape, up to 1024 entries each), so prefill chunks of
-ever new sizes grew a node's memory for as long as it ran. A packed projection therefore pads its
-rows to one of a few sizes (`padded_rows`), which bounds those caches to a few dozen entries,
-and the scheduler fills them for every size at its start (`warm`): the caches are per thread,
-and met one by one the rarer sizes still grew the node for many minutes.
+oneDNN builds a primitive for every input row count and weight shape it meets (0.5-2 MB each,
+mostly generated code) and keeps it in its primitive cache and in ideep's per-thread cache,
+1024 entries apiece by default, so prefill chunks of ever new sizes grew a node's memory for as
+long as it ran. A packed projection therefore pads its rows to one of a few sizes
+(`padded_rows`), and `bound_kernel_caches` caps both caches: a size met again after its entry
+was dropped costs a rebuild of under a millisecond a weight shape.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ PACKED_FOR_ROWS = 8
 EXACT_ROWS = 8
 #: Padded row counts per doubling, a power of two: each pads by less than a quarter.
 SIZES_PER_DOUBLING = 4
+#: Entries each oneDNN cache keeps: a decode step's weight shapes at every lane count up to 8,
+#: and the prefill sizes in use beside them.
+KERNEL_CACHE_ENTRIES = 64
 
 
 def padded_rows(rows: int) -> int:
@@ -40,10 +44,12 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def padded_sizes(low: int, high: int) -> list[int]:
-    """Every row count `padded_rows` gives for `low` to `high` rows, smallest first: what a
-    projection warms."""
-    return sorted({padded_rows(r) for r in range(low, high + 1)})
+def bound_kernel_caches() -> None:
+    """Cap oneDNN's primitive cache and ideep's at `KERNEL_CACHE_ENTRIES`, unless the operator
+    set them. Both read their variable once, at the first primitive, so this runs before a
+    model loads; an entry lives until both caches have dropped it."""
+    for variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(variable, str(KERNEL_CACHE_ENTRIES))
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -100,12 +106,6 @@ class Linear:
             return self._packed(x)
         flat = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
         return self._packed(flat)[:rows].view(*x.shape[:-1], self.out_features)
-
-    def warm(self, max_rows: int) -> None:
-        """Runs the projection once at each padded row count up to `max_rows` on this thread."""
-        if self.packed:
-            for rows in padded_sizes(1, max_rows):
-                self._packed(torch.zeros(rows, self.in_features))
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")

@@ -182,13 +182,6 @@ class LlamaModel:
         """The bytes of the decoder layers alone: what tensor parallelism splits."""
         return sum(_nbytes(p) for w in self.layers for p in vars(w).values() if p is not None)
 
-    def warm_projections(self, max_rows: int) -> None:
-        """Fill this thread's oneDNN caches for every row count a forward of up to `max_rows`
-        rows runs the projections at (`Linear.warm`); every layer shares its shapes."""
-        for projection in (p for layer in self.layers[:1] for p in vars(layer).values()):
-            if isinstance(projection, (Linear, Int4Linear)):
-                projection.warm(max_rows)
-
     def unpack_prefill(self) -> bool:
         """Let int4 projections run long prefill chunks as bf16 GEMMs (`Int4Linear.unpack_prefill`);
         whether any can here."""

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nodeagent.engine.choices import WeightFormat
-from nodeagent.engine.linear import Linear, padded_rows, padded_sizes
+from nodeagent.engine.linear import Linear, padded_rows
 
 INT4_GROUP = 32
 #: The int4 kernel packs output rows in tiles of 16.
@@ -239,17 +239,6 @@ class Int4Linear:
         width = self.unpack_width
         step = max(1, UNPACK_SLICE_BYTES // (2 * self.in_features * width)) * width
         return [(start, min(start + step, self.out_features)) for start in range(0, self.out_features, step)]
-
-    def warm(self, max_rows: int) -> None:
-        """Runs an unpacked product's GEMMs at each padded row count from `UNPACK_ROWS` to
-        `max_rows` on this thread (see `Linear.warm`)."""
-        if self.unpack_width is None:
-            return
-        slices = [torch.zeros(self.in_features, w, dtype=torch.bfloat16) for w in {e - s for s, e in self._slices()}]
-        for rows in padded_sizes(UNPACK_ROWS, max_rows):
-            x = torch.zeros(rows, self.in_features, dtype=torch.bfloat16)
-            for weight_t in slices:
-                torch.mm(x, weight_t)
 
     def unpacked_t(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """W.T [in, out][:, start:end] in bf16, each weight (code - 8) * scale + zero as the

@@ -425,7 +425,6 @@ class Scheduler:
             torch.set_num_threads(self.threads)
         try:
             with torch.inference_mode():
-                self.model.warm_projections(max(self.prefill_chunk, len(self._lanes)))
                 while self._wait_for_work():
                     self._trip(failpoints.SCHEDULER)
                     self._run_jobs()

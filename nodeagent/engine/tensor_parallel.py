@@ -105,15 +105,14 @@ class TensorParallel:
             pipes.append(ours)
         return cls(spec, workers, pipes)
 
-    def form(self, model: LlamaModel, kv_blocks: int, context: int, warm_rows: int) -> None:
-        """Once every worker has loaded: gives each its KV pool's size, the context window and
-        the most rows a step runs (to warm its projections for, as the scheduler does), forms
-        the group and makes `model` (rank 0's) sum its partial outputs across it.
+    def form(self, model: LlamaModel, kv_blocks: int, context: int) -> None:
+        """Once every worker has loaded: gives each its KV pool's size and the context window,
+        forms the group and makes `model` (rank 0's) sum its partial outputs across it.
         ModelLoadError naming the rank and its device when one could not load."""
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, pipe in enumerate(self.pipes, start=1):
             self._loaded(rank, pipe, deadline)
-            pipe.send((kv_blocks, context, warm_rows))
+            pipe.send((kv_blocks, context))
         _join_group(self.spec, 0)
         model.reduce = all_reduce
 
@@ -221,7 +220,7 @@ def follow(spec: ShardSpec, rank: int, load_shard: LoadShard, pipe: multiprocess
         pipe.send(("failed", f"{type(e).__name__}: {e}"))
         return
     pipe.send(("loaded", model.weight_bytes()))
-    kv_blocks, context, warm_rows = pipe.recv()
+    kv_blocks, context = pipe.recv()
     c = model.config
     model.set_context(context)
     pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, kv_blocks, model.dtype, model.device)
@@ -229,7 +228,6 @@ def follow(spec: ShardSpec, rank: int, load_shard: LoadShard, pipe: multiprocess
     model.reduce = all_reduce
     arange = torch.arange(blocks_for(context) * BLOCK_TOKENS, device=model.device)
     with torch.inference_mode():
-        model.warm_projections(warm_rows)
         try:
             while _run_step(model, pool, arange):
                 pass

@@ -2,7 +2,7 @@
 
 The caller's thread validates, submits a `Generation`, then blocks reading its queue and calls
 `on_tokens` itself, so a slow callback never holds up the batch. A caller whose consumer takes
-batches without blocking (`Consumer.offer`) gets its tokens from the scheduler thread directly
+batches without blocking (`Consumer.post`) gets its tokens from the scheduler thread directly
 and its thread only waits for the end: one thread hop less per token and lane. Stage forwards
 need no cache and read only the weights, so they run on the caller's thread too, alongside the
 scheduler.
@@ -44,6 +44,7 @@ from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_NAME, builtin_model
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, WEIGHTS, WeightFormat
 from nodeagent.engine.gguf_file import GGUFSource, load_gguf, projection_bits
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
+from nodeagent.engine.linear import bound_kernel_caches
 from nodeagent.engine.loader import load_model, read_config
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.quant import Quantization, WeightFormatError, choose_format
@@ -110,7 +111,7 @@ class TorchDaemon(Daemon):
         model.set_context(self.context)
         self.tensor_parallel = tensor_parallel
         if tensor_parallel is not None:
-            tensor_parallel.form(model, kv_blocks, self.context, max(prefill_chunk, max_batch))
+            tensor_parallel.form(model, kv_blocks, self.context)
         pool = KVPool(
             model.config.n_layers,
             model.config.n_kv_heads,
@@ -145,6 +146,7 @@ class TorchDaemon(Daemon):
     ) -> TorchDaemon:
         """Open `model` ("builtin" or a checkpoint directory), split over `tensor_parallel`
         processes when more than 1; raises ModelLoadError."""
+        bound_kernel_caches()
         dev = _resolve_device(device)
         floats = _resolve_dtype(dtype, dev)
         group: TensorParallel | None = None

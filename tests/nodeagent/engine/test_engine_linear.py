@@ -3,6 +3,10 @@ bounded however the prefill chunks vary (issue 34), with the product unchanged."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,3 +54,28 @@ def test_onednn_meets_only_the_padded_row_counts(monkeypatch):
         projection(torch.randn(rows, 32))
     assert seen == {padded_rows(r) for r in range(1, 300)}
     assert len(seen) <= 8 + 4 * 6
+
+
+CAPPED_SWEEP = """
+import resource, sys, torch
+from nodeagent.engine.linear import Linear, bound_kernel_caches
+bound_kernel_caches()
+projection = Linear(torch.randn(256, 64))
+def sweep(counts):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for rows in counts:
+        projection._packed(torch.zeros(rows, 64))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+sweep(range(1, 121))
+print(sweep(range(121, 241)))
+"""
+
+
+@needs_packing
+def test_capped_kernel_caches_stop_growing_however_many_row_counts_arrive():
+    """Unpadded row counts, each new: past the cap, 120 more add next to nothing, where each
+    would keep half a megabyte of primitives uncapped (`linear.bound_kernel_caches`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    done = subprocess.run([sys.executable, "-c", CAPPED_SWEEP], capture_output=True, text=True, env=env, check=True)
+    grown_kb = int(done.stdout)
+    assert grown_kb < 120 * 512 / 4, f"the second 120 row counts grew the process by {grown_kb} KB"
