@@ -552,7 +552,7 @@ def torch_rows(home: Path) -> list[Row]:
             f"torch builtin: {lanes}-lane decode, {threads} CPU thread{'s' if threads > 1 else ''}",
             f"wire {statistics.median(w.rate for w in wire):.0f} tok/s, in process"
             f" {statistics.median(loc.rate for loc in local):.0f} tok/s; median of {len(rates)} paired rounds"
-            f" {statistics.median(rates):.2f}x ({rates[0]:.2f}-{rates[-1]:.2f})",
+            f" {_spread(rates)}",
             ">= 0.95x",
             statistics.median(rates) >= 0.95,
         ),
@@ -560,7 +560,7 @@ def torch_rows(home: Path) -> list[Row]:
             f"torch builtin: {lanes}-lane decode step",
             f"wire {statistics.median(w.step_s for w in wire) * 1000:.1f} ms, in process"
             f" {statistics.median(loc.step_s for loc in local) * 1000:.1f} ms; median of {len(steps)} paired"
-            f" rounds {statistics.median(steps):.2f}x ({steps[0]:.2f}-{steps[-1]:.2f})",
+            f" rounds {_spread(steps)}",
             ">= 0.95x",
             statistics.median(steps) >= 0.95,
         ),
@@ -573,6 +573,12 @@ def torch_rows(home: Path) -> list[Row]:
             wire_share <= 0.05,
         ),
     ]
+
+
+def _spread(ratios: list[float]) -> str:
+    """The median ratio, the 95 % interval it lies in, and the range of the rounds."""
+    low, high = median_interval(ratios)
+    return f"{statistics.median(ratios):.2f}x (95 % {low:.2f}-{high:.2f}; rounds {min(ratios):.2f}-{max(ratios):.2f})"
 
 
 @dataclass
