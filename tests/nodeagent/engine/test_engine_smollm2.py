@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -70,11 +71,27 @@ def test_the_text_codec_renders_and_decodes_as_transformers():
         assert codec.decode(record["tokens"]) == record["text"]
 
 
-#: Teacher-forced top-1 agreement with the float engine over the float engine's own greedy
-#: answers, and the largest logit difference, for each quantized format, and int4 with its
-#: prefill unpacked (--fast-prefill), which these forward passes of 100+ rows all take
-#: (docs/performance.md gives the measured figures and the bf16 float engine's own, for scale).
-QUANTIZED_FLOORS = {"int4": (0.97, 2.0), "int8": (0.95, 3.0), "int4 fast prefill": (0.97, 2.0)}
+@dataclass(frozen=True)
+class Floor:
+    """What a quantized format must reach, teacher-forced against the float engine over the
+    float engine's own greedy answers: top-1 agreement, the largest logit difference, and for
+    a format that keeps the file's weights exactly, the float model's largest lead at a miss.
+    Any single bf16 rounding (of the inputs or of the outputs, with exact weights) flips the
+    same near-ties, so a miss below that lead says nothing about the format; int8 re-quantizes
+    the file's 4-bit blocks, so its misses may not be near-ties (docs/performance.md)."""
+
+    agreement: float
+    max_diff: float
+    near_tie: float | None
+
+
+#: int4 with its prefill unpacked (--fast-prefill) too: these forward passes of 100+ rows all
+#: take it.
+QUANTIZED_FLOORS = {
+    "int4": Floor(0.97, 2.0, 0.25),
+    "int8": Floor(0.95, 3.0, None),
+    "int4 fast prefill": Floor(0.97, 2.0, 0.25),
+}
 FORCED_TOKENS = 90
 
 
@@ -121,15 +138,23 @@ def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, 
         pytest.skip("no int4 projection unpacks here")
     same = positions = 0
     worst = 0.0
+    margins: list[float] = []  # the float model's own top-1 lead where the two disagree
     with torch.inference_mode():
         for tokens, prompt_len, want in forced:
-            got = all_logits(model, tokens)
-            answer = slice(prompt_len - 1, len(tokens) - 1)
-            same += int((got[answer].argmax(-1) == want[answer].argmax(-1)).sum())
-            positions += len(tokens) - prompt_len
+            got, want = (logits[prompt_len - 1 : len(tokens) - 1] for logits in (all_logits(model, tokens), want))
+            agree = got.argmax(-1) == want.argmax(-1)
+            same += int(agree.sum())
+            positions += len(agree)
             worst = max(worst, float((got - want).abs().max()))
-    agreement, max_diff = QUANTIZED_FLOORS[variant]
+            lead = want.topk(2, -1).values
+            margins += (lead[:, 0] - lead[:, 1])[~agree].tolist()
+    floor = QUANTIZED_FLOORS[variant]
     assert positions >= 256
-    assert same / positions >= agreement, f"{variant}: top-1 agreement {same}/{positions}"
-    assert worst < max_diff, f"{variant}: largest logit difference {worst:.3f}"
-    print(f"{variant}: top-1 agreement {same}/{positions}, largest logit difference {worst:.3f}")
+    assert same / positions >= floor.agreement, f"{variant}: top-1 agreement {same}/{positions}"
+    assert worst < floor.max_diff, f"{variant}: largest logit difference {worst:.3f}"
+    if floor.near_tie is not None:
+        assert max(margins, default=0.0) < floor.near_tie, f"{variant}: a miss where float leads by {max(margins):.3f}"
+    print(
+        f"{variant}: top-1 agreement {same}/{positions}, largest logit difference {worst:.3f}, "
+        f"float's lead at the misses {', '.join(f'{m:.3f}' for m in sorted(margins))}"
+    )
