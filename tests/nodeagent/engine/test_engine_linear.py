@@ -79,3 +79,15 @@ def test_capped_kernel_caches_stop_growing_however_many_row_counts_arrive():
     done = subprocess.run([sys.executable, "-c", CAPPED_SWEEP], capture_output=True, text=True, env=env, check=True)
     grown_kb = int(done.stdout)
     assert grown_kb < 120 * 512 / 4, f"the second 120 row counts grew the process by {grown_kb} KB"
+
+
+def test_loading_a_torch_engine_caps_the_kernel_caches_the_operator_left_unset():
+    code = (
+        "import os; from nodeagent.engine.torch_engine import TorchDaemon; "
+        "TorchDaemon.load('builtin', device='cpu').close(); "
+        "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    env["LRU_CACHE_CAPACITY"] = "200"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == [str(linear.KERNEL_CACHE_ENTRIES), "200"]
