@@ -9,13 +9,14 @@ reading the head (cancels, lease grants, heartbeats) and sending status while th
 The loop sleeps in one poll(2) until the head sends a frame, a worker hands something over
 (its `Waker`), or the next deadline (status, lease renewal or expiry, idle drop) is due; the
 seed woke every 2 ms while work ran and every 20 ms otherwise. While a generation streams, the
-head's frames (mostly its acknowledgements) do not wake it: they are read in the pass the next
-token wakes, or after `HEAD_FRAME_WAIT_S` at most. Each pass does a bounded amount of work, so a
-frame from the head is read within one pass whatever the engine produces.
+loop looks once a stream interval (`nodeagent.outbox`): the tokens of the steps since its last
+look go out together, and the head's frames (mostly its acknowledgements) are read in the same
+pass, neither waking it in between. Each pass does a bounded amount of work, so a frame from the
+head is read within one pass whatever the engine produces.
 
 Only a connection's own thread touches its socket. The torch scheduler hands each step's
-tokens to the generation's outbox and sets the waker once; the loop sends them in its next
-pass, with what else piled up meanwhile.
+tokens to the generation's outbox; the loop sends them in its next pass, with what else piled
+up meanwhile.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from nodeagent.daemon import (
 from nodeagent.load import U32_MAX, LoadMeter, LoadSample
 from nodeagent.logs import fields
 from nodeagent.observe import GenerationWatch, NodeObserver
-from nodeagent.outbox import Outbox
+from nodeagent.outbox import STREAM_INTERVAL_S, Outbox
 from proto import finish, postcard
 from proto.envelope import MAX_FRAME
 from proto.fleet import decode_params, decode_tokens
@@ -92,11 +93,6 @@ RENEW_RETRY = 1.0
 #: 16 tokens or 200 ms; this loop sends what a step produced as soon as it can, and only what
 #: piled up while it was busy goes out together.
 EVENT_TOKENS_MAX = 1024
-#: How long the head's frames may wait while a generation streams: the loop wakes for the next
-#: token, not for each acknowledgement, and reads what the head sent in that token's pass: a
-#: stream takes its acks at no wake of their own, and a GENERATE_CANCEL still waits under 50 ms
-#: when steps are slower. The Rust node woke for every frame.
-HEAD_FRAME_WAIT_S = 0.040
 #: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
 TRANSFER_WINDOW = 8
 #: Tokens of one generation the head may leave unacknowledged before the loop stops taking its
@@ -227,6 +223,7 @@ class NodeAgent:
         self.handshake_timeout = DEFAULT_HANDSHAKE_TIMEOUT
         self.idle_timeout = DEFAULT_IDLE_TIMEOUT
         self.write_timeout = DEFAULT_WRITE_TIMEOUT
+        self.stream_interval = STREAM_INTERVAL_S
         self.auth = b""
         self.max_lanes = 0
         self.observer = NodeObserver()
@@ -246,6 +243,13 @@ class NodeAgent:
         """How long a head may take no bytes, or acknowledge nothing, while output waits for
         it; 0 waits forever."""
         self.write_timeout = seconds
+        return self
+
+    def with_stream_interval(self, seconds: float) -> NodeAgent:
+        """How long a streaming generation's one-token steps, and the head's frames, may wait
+        for the loop's next look (`nodeagent.outbox`); 0 wakes the loop for every step and
+        every frame."""
+        self.stream_interval = seconds
         return self
 
     def with_auth(self, auth: bytes) -> NodeAgent:
@@ -454,9 +458,11 @@ class Connection:
 
     def sleep_s(self, endpoint: Endpoint, work: Work, now: int) -> float:
         """How long the pass may sleep in `pump`: not at all while output waits to go, else
-        until the next deadline (a worker's hand-over and the head's frames wake it sooner)."""
+        until the next deadline or the generation's next look (a worker's hand-over and the
+        head's frames wake it sooner)."""
         run = work.generation
-        if run is not None and run.stalled_since is None and run.out.ready():
+        look = None if run is None or run.stalled_since is not None else run.out.look_within()
+        if look == 0:
             return 0.0
         due = [self.last_status_ms + STATUS_INTERVAL_MS]
         if self.lease_due_ms is not None:
@@ -465,17 +471,18 @@ class Connection:
             due.append(run.stalled_since + int(self.node.write_timeout * 1000))
         if endpoint.version() < 3 and not work.busy() and self.node.idle_timeout:
             due.append(now + int((self.node.idle_timeout - endpoint.quiet_for()) * 1000))
-        return max(min(due) - self.node.now_ms(), 0) / 1000
+        wait = max(min(due) - self.node.now_ms(), 0) / 1000
+        return wait if look is None else min(wait, look)
 
-    @staticmethod
-    def hear_within(work: Work) -> float | None:
-        """How long the head's frames may wait for the pass the next token wakes: while a
-        generation streams, up to `HEAD_FRAME_WAIT_S` after its last tokens went out; None
-        (they wake the loop) once it pauses, or waits on the head."""
+    def hear_within(self, work: Work) -> float | None:
+        """How long the head's frames may wait for the pass that sends the next tokens: while a
+        generation streams, up to a stream interval after its last tokens went out; None (they
+        wake the loop) once it pauses, or waits on the head. The Rust node woke for every
+        frame."""
         run = work.generation
         if run is None or run.stalled_since is not None:
             return None
-        left = run.sent_at + HEAD_FRAME_WAIT_S - time.monotonic()
+        left = run.sent_at + self.node.stream_interval - time.monotonic()
         return left if left > 0 else None
 
     def tend_leases(self, endpoint: Endpoint, now: int) -> None:
@@ -648,7 +655,7 @@ class Connection:
             generation_id=req.generation_id,
             max_new=min(req.budgets.max_new_tokens, U32_MAX),
             cancel=cancel,
-            out=Outbox(waker, cancel),
+            out=Outbox(waker, cancel, interval=self.node.stream_interval),
             watch=self.node.observer.generation_started(req.session_id, req.generation_id, len(context)),
         )
         job = GenerationJob(context, params, run.max_new, req.budgets.max_wall_ms, cancel, run.out)

@@ -33,6 +33,7 @@ from nodeagent.noded import (
     DEFAULT_SESSION_RETENTION_MS,
     NodeConfig,
 )
+from nodeagent.outbox import STREAM_INTERVAL_S
 from proto.models import ALIASES, is_gguf
 
 DEFAULT_LISTEN = "0.0.0.0:8454"
@@ -43,7 +44,7 @@ USAGE = f"""\
 usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>] \
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
-[--write-timeout-ms N] \
+[--write-timeout-ms N] [--stream-interval-ms N] \
 [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--weights auto|float|int8|int4] \
 [--fast-prefill] [--kv-budget-mb N] [--engine-stall-timeout-ms N] [--tensor-parallel N] \
 [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
@@ -78,6 +79,10 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --record <dir> writes each connection there as a transcript (superfluid-conformance show).
  --write-timeout-ms (default 10000) drops a head that takes no bytes, or acknowledges no
  tokens, that long while a generation's output waits for it (0: never).
+ --stream-interval-ms (default {int(STREAM_INTERVAL_S * 1000)}) lets a streaming generation's tokens, and the
+ head's acknowledgements, wait that long for the connection's next pass, so a fast decode wakes
+ the connection once an interval, not once a step; first tokens and the finish never wait (0:
+ each step's tokens leave at once, and each frame from the head wakes the connection).
  --max-connections (default 256) caps the connections open at once; --session-retention-ms
  (default 300000) is how long a session whose lease ran out is kept for a reconnecting head.
  --metrics-listen serves Prometheus text at /metrics and a health check at /health;
@@ -133,6 +138,7 @@ class Options:
     handshake_timeout_ms: int = int(DEFAULT_HANDSHAKE_TIMEOUT * 1000)
     idle_timeout_ms: int = int(DEFAULT_IDLE_TIMEOUT * 1000)
     write_timeout_ms: int = int(DEFAULT_WRITE_TIMEOUT * 1000)
+    stream_interval_ms: int = int(STREAM_INTERVAL_S * 1000)
     device: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"
@@ -234,6 +240,7 @@ FLAGS = {
     "--handshake-timeout-ms": ("handshake_timeout_ms", _count),
     "--idle-timeout-ms": ("idle_timeout_ms", _count),
     "--write-timeout-ms": ("write_timeout_ms", _count),
+    "--stream-interval-ms": ("stream_interval_ms", _count),
     "--device": ("device", _device),
     "--dtype": ("dtype", _dtype),
     "--weights": ("weights", _weights),
@@ -393,6 +400,7 @@ def node_config(opts: Options) -> NodeConfig:
         handshake_timeout_s=opts.handshake_timeout_ms / 1000,
         idle_timeout_s=opts.idle_timeout_ms / 1000,
         write_timeout_s=opts.write_timeout_ms / 1000,
+        stream_interval_s=opts.stream_interval_ms / 1000,
         drain_timeout_s=opts.drain_timeout_ms / 1000,
         max_connections=opts.max_connections,
         session_retention_ms=opts.session_retention_ms,

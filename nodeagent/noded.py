@@ -39,6 +39,7 @@ from nodeagent.daemon import Daemon, DaemonError, EngineHealth
 from nodeagent.heap import return_free_memory
 from nodeagent.logs import say
 from nodeagent.observe import Observers
+from nodeagent.outbox import STREAM_INTERVAL_S
 from nodeagent.sdnotify import READY, STOPPING, WATCHDOG, notify
 
 log = logging.getLogger("nodeagent.noded")
@@ -83,6 +84,8 @@ class NodeConfig:
     #: How long a head may be silent before its connection is dropped; 0 keeps every one.
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT
+    #: How long a streaming generation's tokens may wait for its connection's next send.
+    stream_interval_s: float = STREAM_INTERVAL_S
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     session_retention_ms: int = DEFAULT_SESSION_RETENTION_MS
@@ -122,6 +125,7 @@ class Node:
             .with_max_lanes(config.max_lanes)
             .with_timeouts(self.handshake_s, config.idle_timeout_s)
             .with_write_timeout(config.write_timeout_s)
+            .with_stream_interval(config.stream_interval_s)
             .with_auth(token)
             .with_observer(self.observer)
         )

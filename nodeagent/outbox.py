@@ -4,15 +4,24 @@ channel, with a bound).
 The worker puts one batch per engine step and blocks while the outbox's slots are full, so a
 loop that falls behind (a head that does not read or does not acknowledge) holds the generation
 back instead of letting its tokens pile up in memory. An engine may ask `behind()` before a step
-and give its lane to another generation while this one cannot move. Every hand-over sets the
-connection's waker, so the loop sleeps in poll(2) until there is something to send. An
-engine's own thread, which must never block, `post`s its batches past the bound instead.
+and give its lane to another generation while this one cannot move. An engine's own thread,
+which must never block, `post`s its batches past the bound instead.
+
+A hand-over sets the connection's waker, so the loop sleeps in poll(2) until there is something
+to send, with one exception that keeps a fast stream from waking its loop every step: within
+the stream interval after the loop last took tokens, small batches wait for the loop's next
+look (`look_within`), which its sleep never passes. Each wake-up of a loop is time taken from
+an engine that fills the machine's cores, so a stream of one-token steps goes out a few tokens
+a frame, at most an interval late. The first tokens, those after a pause, a batch that fills a
+quarter of the outbox and the end go at once.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from linkf.waker import Waker
@@ -24,6 +33,12 @@ from nodeagent.daemon import DaemonError, GenerationResult
 #: one-token steps, or 4 of the mock's 1,024-token batches.
 OUTBOX_SLOTS = 64
 SLOT_TOKENS = 64
+#: The stream interval unless the node is told otherwise (`--stream-interval-ms`): 25 looks a
+#: second, where the Rust node held tokens until 16 had gathered or 200 ms had passed.
+STREAM_INTERVAL_S = 0.040
+#: Slots filled past which a hand-over wakes the loop whatever the interval: a producer that
+#: makes big batches is bound by the loop's pace, not by its wake-ups.
+_WAKE_FILL = OUTBOX_SLOTS // 4
 #: How often a worker blocked on a full outbox looks at its cancel flag.
 _CANCEL_CHECK = 0.05
 
@@ -81,10 +96,15 @@ class Outbox:
         waker: Waker,
         cancel: threading.Event,
         capacity: int = OUTBOX_SLOTS,
+        interval: float = STREAM_INTERVAL_S,
     ) -> None:
+        """`interval`: the stream interval in seconds; 0 wakes the loop at every hand-over."""
         self._queue = _Batches(maxsize=capacity)
         self._waker = waker
         self._cancel = cancel
+        self._interval = interval
+        #: When (monotonic s) the loop last took tokens.
+        self._took_at = -math.inf
         #: The loop's side: what `take` pulled beyond its limit, sent first next time.
         self._carry: list[int] = []
         self._released = threading.Event()
@@ -106,7 +126,7 @@ class Outbox:
         if self._cancel.is_set():
             return False
         self._queue.put_past_bound(batch)
-        self._waker.set()
+        self._wake()
         return True
 
     def behind(self) -> bool:
@@ -123,9 +143,18 @@ class Outbox:
                 self._queue.put(item, timeout=_CANCEL_CHECK)
             except queue.Full:
                 continue
-            self._waker.set()
+            if isinstance(item, Done):
+                self._waker.set()
+            else:
+                self._wake()
             return True
         return False
+
+    def _wake(self) -> None:
+        """Sets the waker after a batch, unless the loop looks again within the interval anyway
+        and the outbox is not filling."""
+        if time.monotonic() - self._took_at >= self._interval or self._queue.qsize() >= _WAKE_FILL:
+            self._waker.set()
 
     # The loop's side
 
@@ -143,7 +172,18 @@ class Outbox:
             tokens += item
         if len(tokens) > limit:
             tokens, self._carry = tokens[:limit], tokens[limit:]
+        if tokens:
+            self._took_at = time.monotonic()
         return tokens, None
+
+    def look_within(self) -> float | None:
+        """Seconds until the loop must look here again: 0 while something waits to be taken,
+        else until the end of the interval, within which a batch may come without a wake; None
+        when the next batch will wake it."""
+        left = self._took_at + self._interval - time.monotonic()  # before `ready`: see `_wake`
+        if self.ready():
+            return 0.0
+        return left if left > 0 else None
 
     def ready(self) -> bool:
         """Something waits to be taken."""

@@ -21,6 +21,7 @@ from nodeagent.agent import NodeAgent  # noqa: E402
 from nodeagent.daemon import Daemon  # noqa: E402
 from nodeagent.engine.mock import MockDaemon  # noqa: E402
 from nodeagent.noded import LISTEN_BACKLOG, Node, NodeConfig  # noqa: E402
+from nodeagent.outbox import STREAM_INTERVAL_S  # noqa: E402
 from nodeagent.observe import NodeObserver, Observers  # noqa: E402
 
 JOIN_TIMEOUT = 5.0
@@ -125,7 +126,7 @@ class ServedNode:
 @pytest.fixture
 def start_node():
     """`start_node(daemon=None, *, handshake_s=2.0, idle_s=0.0, auth=b"", noise=None,
-    max_lanes=0, identity="node-a", model="mock")` -> ServedNode, stopped after the test.
+    max_lanes=0, identity="node-a", model="mock", stream_interval_s=0.04)` -> ServedNode, stopped after the test.
     With a token the link is Noise unless `noise=False` (then only HELLO carries it)."""
     nodes: list[ServedNode] = []
 
@@ -139,8 +140,15 @@ def start_node():
         max_lanes: int = 0,
         identity: str = "node-a",
         model: str = "mock",
+        stream_interval_s: float = STREAM_INTERVAL_S,
     ) -> ServedNode:
-        config = NodeConfig(model_name=model, max_lanes=max_lanes, handshake_timeout_s=handshake_s, idle_timeout_s=idle_s)
+        config = NodeConfig(
+            model_name=model,
+            max_lanes=max_lanes,
+            handshake_timeout_s=handshake_s,
+            idle_timeout_s=idle_s,
+            stream_interval_s=stream_interval_s,
+        )
         opened, outcomes = Opened(), queue.Queue()
         kind = PlainLinkNode if noise is False else Node
         node = kind(

@@ -22,7 +22,7 @@ from proto import finish
 from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, Connection
 from nodeagent.daemon import GenerationResult, GenExtras
 from nodeagent.engine.mock import MockDaemon
-from proto.linkf import TokenEventPayload
+from proto.linkf import TokenEventPayload, msg_type
 
 MILLION = 1_000_000
 WRITE_TIMEOUT = 1.0
@@ -145,10 +145,10 @@ def test_each_token_of_a_slow_engine_leaves_at_once(start_node):
         assert min(gaps) > 0.03, "each token arrived as made, not in bursts"
 
 
-def test_a_frame_from_the_head_waits_at_most_head_frame_wait_for_a_slow_stream(start_node):
+def test_a_frame_from_the_head_waits_at_most_a_stream_interval_for_a_slow_stream(start_node):
     """While a generation streams, the head's frames ride the pass the next token wakes, but a
     slow engine does not make them wait for it: a second GENERATE_REQ is declined within
-    `HEAD_FRAME_WAIT_S` (40 ms), long before the next token wakes the loop (1 s away)."""
+    a stream interval (40 ms), long before the next token wakes the loop (1 s away)."""
     node = start_node(MockDaemon(token_delay_s=1.0))
     with FleetHead.connect(node.addr) as head:
         placed(head, 1, [3])
@@ -246,17 +246,45 @@ class OfferingMock(MockDaemon):
         return made
 
 
-def test_a_stream_the_engine_offers_wakes_the_loop_once_a_step_not_once_a_frame(start_node, monkeypatch):
-    """Each step's hand-over wakes the loop once; the head's acknowledgements wait for those
-    passes (`HEAD_FRAME_WAIT_S`) rather than waking it again."""
+def token_frames(head: FleetHead) -> list[tuple[float, int]]:
+    """When each TOKEN_EVENTS frame came and how many tokens it carried."""
+    return [
+        (r.at, sum(len(e.payload.tokens) for e in r.msg.events if isinstance(e.payload, TokenEventPayload.Tokens)))
+        for r in head.received
+        if r.frame.msg_type == msg_type.TOKEN_EVENTS
+    ]
+
+
+def stream_offered(start_node, monkeypatch, n: int, **config) -> tuple[int, list[tuple[float, int]]]:
+    """The loop's passes while `n` 10 ms steps stream, and the token frames the head got."""
     passes = counted_passes(monkeypatch, lambda work: work.generation is not None)
-    node = start_node(OfferingMock())
-    n = 150  # 1.5 s of 10 ms steps
+    node = start_node(OfferingMock(), **config)
     with FleetHead.connect(node.addr) as head:
         placed(head, 1, [5, 6])
         done = head.generate(1, n)
     assert done.tokens == mock_tokens([5, 6], n) and done.finish == finish.LENGTH
-    assert passes["n"] <= n + n // 5, f"{passes['n']} passes for {n} steps"
+    return passes["n"], [frame for frame in token_frames(head) if frame[1]]
+
+
+def test_a_stream_of_one_token_steps_wakes_the_loop_once_a_stream_interval(start_node, monkeypatch):
+    """Steps 10 ms apart, a 40 ms stream interval: the loop looks about once every four steps,
+    sends those tokens together, and reads the head's acknowledgements in the same passes; no
+    token waits much past the interval."""
+    n = 150
+    passes, frames = stream_offered(start_node, monkeypatch, n)
+    assert passes <= n // 3, f"{passes} passes for {n} steps"
+    assert sum(count for _, count in frames) / len(frames) >= 2.5, f"{len(frames)} frames for {n} tokens"
+    gaps = [b[0] - a[0] for a, b in zip(frames, frames[1:])]
+    assert max(gaps) < 0.3, f"tokens waited {max(gaps):.3f} s"
+
+
+def test_a_stream_interval_of_zero_sends_each_step_as_it_comes(start_node, monkeypatch):
+    """With the interval off, the loop wakes for each step's hand-over and for each of the
+    head's acknowledgements, as the Rust node did: one frame a step."""
+    n = 150
+    passes, frames = stream_offered(start_node, monkeypatch, n, stream_interval_s=0.0)
+    assert n <= passes <= 2 * n + n // 5, f"{passes} passes for {n} steps"
+    assert len(frames) >= n * 3 // 4, f"{len(frames)} frames for {n} one-token steps"
 
 
 def test_a_frame_sent_while_the_engine_streams_is_answered_within_a_few_steps(start_node):

@@ -108,6 +108,13 @@ def test_the_write_timeout_is_a_flag_with_a_ten_second_default():
     assert cli.parse_args(["--model", "builtin", "--write-timeout-ms", "0"]).write_timeout_ms == 0
 
 
+def test_the_stream_interval_is_a_flag_with_a_forty_millisecond_default():
+    assert cli.parse_args(["--model", "builtin"]).stream_interval_ms == 40
+    assert cli.parse_args(["--model", "builtin", "--stream-interval-ms", "0"]).stream_interval_ms == 0
+    with pytest.raises(cli.UsageError, match=r"--stream-interval-ms takes a whole number, 0 or more, got '-5'"):
+        cli.parse_args(["--model", "builtin", "--stream-interval-ms", "-5"])
+
+
 def test_fast_prefill_is_an_opt_in_flag():
     assert cli.parse_args(["--model", "builtin"]).fast_prefill is False
     assert cli.parse_args(["--model", "builtin", "--fast-prefill"]).fast_prefill is True
@@ -321,9 +328,11 @@ def test_the_flags_become_the_nodes_plain_config(tmp_path):
         "--model", "builtin", "--model-name", "m", "--max-batch", "3", "--handshake-timeout-ms", "1500",
         "--idle-timeout-ms", "0", "--write-timeout-ms", "2500", "--drain-timeout-ms", "700",
         "--max-connections", "9", "--session-retention-ms", "1234", "--record", str(tmp_path),
+        "--stream-interval-ms", "15",
     ])
     assert cli.node_config(opts) == NodeConfig(
         model_name="m", max_lanes=3, handshake_timeout_s=1.5, idle_timeout_s=0.0, write_timeout_s=2.5,
         drain_timeout_s=0.7, max_connections=9, session_retention_ms=1234, record=tmp_path,
+        stream_interval_s=0.015,
     )
     assert cli.node_config(cli.parse_args(["--model", "builtin"])) == NodeConfig()
