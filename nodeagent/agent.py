@@ -89,9 +89,8 @@ STATUS_INTERVAL_MS = 2_000
 STATUS_SHARE_MS = 100
 #: Seconds after which a renewal the head left unanswered is asked for again.
 RENEW_RETRY = 1.0
-#: The most tokens one TOKEN_EVENTS carries, which bounds one pass's work. The Rust node waited for
-#: 16 tokens or 200 ms; this loop sends what a step produced as soon as it can, and only what
-#: piled up while it was busy goes out together.
+#: The most tokens one TOKEN_EVENTS carries, which bounds one pass's work. What goes out together
+#: is what piled up since the loop's last look (`nodeagent.outbox`'s stream interval).
 EVENT_TOKENS_MAX = 1024
 #: Transfers in flight that HELLO_ACK_F advertises (`LinkFLimits.transfer_window`).
 TRANSFER_WINDOW = 8
