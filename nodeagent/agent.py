@@ -8,7 +8,7 @@ reading the head (cancels, lease grants, heartbeats) and sending status while th
 
 The loop sleeps in one poll(2) until the head sends a frame, a worker hands something over
 (its `Waker`), or the next deadline (status, lease renewal or expiry, idle drop) is due; the
-seed woke every 2 ms while work ran and every 20 ms otherwise. While a generation streams, the
+Rust node woke every 2 ms while work ran and every 20 ms otherwise. While a generation streams, the
 loop looks once a stream interval (`nodeagent.outbox`): the tokens of the steps since its last
 look go out together, and the head's frames (mostly its acknowledgements) are read in the same
 pass, neither waking it in between. Each pass does a bounded amount of work, so a frame from the
@@ -796,7 +796,7 @@ def _run_generation(daemon: Daemon, shared: AgentShared, job: GenerationJob) -> 
 def _run_stage(daemon: Daemon, m: StageForwardReqMsg, answer: queue.Queue, waker: Waker) -> None:
     """A stage forward's worker. Any failure is answered as a stage the node could not run:
     the head has no timeout on a stage, so a worker that answered nothing would wedge it (the
-    seed went silent when its worker panicked; linkf-wire §7 asks for an answer)."""
+    Rust node went silent when its worker panicked; linkf-wire §7 asks for an answer)."""
     resp = StageForwardRespMsg(request_id=m.request_id, hidden=None, token=None)
     try:
         output = daemon.forward_stage(m.tokens, m.start_layer, m.end_layer, m.hidden_in)
