@@ -153,7 +153,7 @@ class Outbox:
     def _wake(self) -> None:
         """Sets the waker after a batch, unless the loop looks again within the interval anyway
         and the outbox is not filling."""
-        if time.monotonic() - self._took_at >= self._interval or self._queue.qsize() >= _WAKE_FILL:
+        if time.monotonic() >= self._look_by() or self._queue.qsize() >= _WAKE_FILL:
             self._waker.set()
 
     # The loop's side
@@ -180,10 +180,15 @@ class Outbox:
         """Seconds until the loop must look here again: 0 while something waits to be taken,
         else until the end of the interval, within which a batch may come without a wake; None
         when the next batch will wake it."""
-        left = self._took_at + self._interval - time.monotonic()  # before `ready`: see `_wake`
+        left = self._look_by() - time.monotonic()  # before `ready`: see `_wake`
         if self.ready():
             return 0.0
         return left if left > 0 else None
+
+    def _look_by(self) -> float:
+        """The end of the interval: `_wake` and `look_within` compare the same sum, so that at
+        its very edge they cannot both leave a batch to the other."""
+        return self._took_at + self._interval
 
     def ready(self) -> bool:
         """Something waits to be taken."""

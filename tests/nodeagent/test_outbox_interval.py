@@ -7,7 +7,7 @@ import select
 import threading
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from linkf.waker import Waker
@@ -105,6 +105,7 @@ class FakeWaker:
     sizes=st.lists(st.integers(min_value=1, max_value=80), min_size=60, max_size=60),
     interval=st.sampled_from([0.0, 0.005, 0.040, 0.2]),
 )
+@example(gaps=[0.0, 0.005], sizes=[1] * 60, interval=0.005)  # a batch at the interval's very edge
 def test_no_token_waits_longer_than_the_interval_for_a_loop_that_sleeps_as_told(gaps, sizes, interval):
     """A loop that sleeps until its waker or `look_within` takes every batch within the
     interval of its hand-over, whatever the pace of the hand-overs."""
