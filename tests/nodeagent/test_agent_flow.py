@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 from helpers import placed
@@ -255,26 +256,41 @@ def token_frames(head: FleetHead) -> list[tuple[float, int]]:
     ]
 
 
-def stream_offered(start_node, monkeypatch, n: int, **config) -> tuple[int, list[tuple[float, int]]]:
+@dataclass
+class Offered:
+    """What the head saw of a stream of `OfferingMock` steps."""
+
+    passes: int
+    #: When each TOKEN_EVENTS with tokens came, and how many it carried.
+    frames: list[tuple[float, int]]
+    #: Seconds from the request to the last token.
+    took: float
+
+
+def stream_offered(start_node, monkeypatch, n: int, **config) -> Offered:
     """The loop's passes while `n` 10 ms steps stream, and the token frames the head got."""
     passes = counted_passes(monkeypatch, lambda work: work.generation is not None)
     node = start_node(OfferingMock(), **config)
     with FleetHead.connect(node.addr) as head:
         placed(head, 1, [5, 6])
+        began = time.monotonic()
         done = head.generate(1, n)
+        took = time.monotonic() - began
     assert done.tokens == mock_tokens([5, 6], n) and done.finish == finish.LENGTH
-    return passes["n"], [frame for frame in token_frames(head) if frame[1]]
+    return Offered(passes["n"], [frame for frame in token_frames(head) if frame[1]], took)
 
 
 def test_a_stream_of_one_token_steps_wakes_the_loop_once_a_stream_interval(start_node, monkeypatch):
-    """Steps 10 ms apart, a 40 ms stream interval: the loop looks about once every four steps,
-    sends those tokens together, and reads the head's acknowledgements in the same passes; no
-    token waits much past the interval."""
+    """Steps 10 ms apart, a 40 ms stream interval: the loop looks about once an interval (a
+    step more at most), not once a step, sends those steps' tokens together and reads the
+    head's acknowledgements in the same passes; no token waits much past the interval. The
+    bounds follow the stream's own pace, which a loaded machine slows."""
     n = 150
-    passes, frames = stream_offered(start_node, monkeypatch, n)
-    assert passes <= n // 3, f"{passes} passes for {n} steps"
-    assert sum(count for _, count in frames) / len(frames) >= 2.5, f"{len(frames)} frames for {n} tokens"
-    gaps = [b[0] - a[0] for a, b in zip(frames, frames[1:])]
+    seen = stream_offered(start_node, monkeypatch, n)
+    looks = seen.took / 0.040
+    assert seen.passes <= 1.3 * looks + 5, f"{seen.passes} passes for {n} steps in {seen.took:.2f} s"
+    assert len(seen.frames) <= 1.3 * looks + 5, f"{len(seen.frames)} frames for {n} steps in {seen.took:.2f} s"
+    gaps = [b[0] - a[0] for a, b in zip(seen.frames, seen.frames[1:])]
     assert max(gaps) < 0.3, f"tokens waited {max(gaps):.3f} s"
 
 
@@ -282,9 +298,9 @@ def test_a_stream_interval_of_zero_sends_each_step_as_it_comes(start_node, monke
     """With the interval off, the loop wakes for each step's hand-over and for each of the
     head's acknowledgements, as the Rust node did: one frame a step."""
     n = 150
-    passes, frames = stream_offered(start_node, monkeypatch, n, stream_interval_s=0.0)
-    assert n <= passes <= 2 * n + n // 5, f"{passes} passes for {n} steps"
-    assert len(frames) >= n * 3 // 4, f"{len(frames)} frames for {n} one-token steps"
+    seen = stream_offered(start_node, monkeypatch, n, stream_interval_s=0.0)
+    assert n <= seen.passes <= 2 * n + n // 5, f"{seen.passes} passes for {n} steps"
+    assert len(seen.frames) >= n * 3 // 4, f"{len(seen.frames)} frames for {n} one-token steps"
 
 
 def test_a_frame_sent_while_the_engine_streams_is_answered_within_a_few_steps(start_node):
