@@ -296,11 +296,12 @@ def test_a_stream_of_one_token_steps_wakes_the_loop_once_a_stream_interval(start
 
 def test_a_stream_interval_of_zero_sends_each_step_as_it_comes(start_node, monkeypatch):
     """With the interval off, the loop wakes for each step's hand-over and for each of the
-    head's acknowledgements, as the Rust node did: one frame a step."""
+    head's acknowledgements, as the Rust node did: a frame a step (steps that a loaded machine
+    bunches share one)."""
     n = 150
     seen = stream_offered(start_node, monkeypatch, n, stream_interval_s=0.0)
-    assert n <= seen.passes <= 2 * n + n // 5, f"{seen.passes} passes for {n} steps"
-    assert len(seen.frames) >= n * 3 // 4, f"{len(seen.frames)} frames for {n} one-token steps"
+    assert n // 2 <= seen.passes <= 2 * n + n // 5, f"{seen.passes} passes for {n} steps"
+    assert len(seen.frames) >= n // 2, f"{len(seen.frames)} frames for {n} one-token steps"
 
 
 def test_a_frame_sent_while_the_engine_streams_is_answered_within_a_few_steps(start_node):
