@@ -37,6 +37,8 @@ from nodeagent.outbox import STREAM_INTERVAL_S
 from proto.models import ALIASES, is_gguf
 
 DEFAULT_LISTEN = "0.0.0.0:8454"
+#: The longest `--stream-interval-ms`: the Rust node held a stream's tokens 200 ms at most.
+MAX_STREAM_INTERVAL_MS = 1000
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 LOG_FORMATS = ("text", "json")
 
@@ -82,7 +84,8 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --stream-interval-ms (default {int(STREAM_INTERVAL_S * 1000)}) lets a streaming generation's tokens, and the
  head's acknowledgements, wait that long for the connection's next pass, so a fast decode wakes
  the connection once an interval, not once a step; first tokens and the finish never wait (0:
- each step's tokens leave at once, and each frame from the head wakes the connection).
+ each step's tokens leave at once, and each frame from the head wakes the connection; at most
+ {MAX_STREAM_INTERVAL_MS}).
  --max-connections (default 256) caps the connections open at once; --session-retention-ms
  (default 300000) is how long a session whose lease ran out is kept for a reconnecting head.
  --metrics-listen serves Prometheus text at /metrics and a health check at /health;
@@ -202,6 +205,14 @@ def _ranks(v: str) -> int:
     return int(v)
 
 
+def _interval_ms(v: str) -> int:
+    """A stream interval: long enough to spare a busy machine's cores, never so long that a
+    GENERATE_CANCEL or a token waits seconds for it."""
+    if not re.fullmatch(r"\+?[0-9]+", v) or int(v) > MAX_STREAM_INTERVAL_MS:
+        raise ValueError(f"milliseconds from 0 to {MAX_STREAM_INTERVAL_MS}")
+    return int(v)
+
+
 def _runtime(v: str) -> str:
     if v not in RUNTIMES:
         raise ValueError(f"a runtime id: {' or '.join(RUNTIMES)}")
@@ -240,7 +251,7 @@ FLAGS = {
     "--handshake-timeout-ms": ("handshake_timeout_ms", _count),
     "--idle-timeout-ms": ("idle_timeout_ms", _count),
     "--write-timeout-ms": ("write_timeout_ms", _count),
-    "--stream-interval-ms": ("stream_interval_ms", _count),
+    "--stream-interval-ms": ("stream_interval_ms", _interval_ms),
     "--device": ("device", _device),
     "--dtype": ("dtype", _dtype),
     "--weights": ("weights", _weights),

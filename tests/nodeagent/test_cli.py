@@ -111,8 +111,10 @@ def test_the_write_timeout_is_a_flag_with_a_ten_second_default():
 def test_the_stream_interval_is_a_flag_with_a_forty_millisecond_default():
     assert cli.parse_args(["--model", "builtin"]).stream_interval_ms == 40
     assert cli.parse_args(["--model", "builtin", "--stream-interval-ms", "0"]).stream_interval_ms == 0
-    with pytest.raises(cli.UsageError, match=r"--stream-interval-ms takes a whole number, 0 or more, got '-5'"):
-        cli.parse_args(["--model", "builtin", "--stream-interval-ms", "-5"])
+    assert cli.parse_args(["--model", "builtin", "--stream-interval-ms", "1000"]).stream_interval_ms == 1000
+    for bad in ("-5", "1001", "40ms"):
+        with pytest.raises(cli.UsageError, match=rf"--stream-interval-ms takes milliseconds from 0 to 1000, got '{bad}'"):
+            cli.parse_args(["--model", "builtin", "--stream-interval-ms", bad])
 
 
 def test_fast_prefill_is_an_opt_in_flag():
