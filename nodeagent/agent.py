@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -174,8 +173,6 @@ class Running:
     drained: bool = False
     #: Since when (ms) its output has waited on the head's acknowledgements.
     stalled_since: int | None = None
-    #: When (monotonic s) its last tokens went to the head.
-    sent_at: float = -math.inf
     #: How the node's observers follow it (metrics, the log).
     watch: GenerationWatch = field(default_factory=GenerationWatch)
 
@@ -473,7 +470,8 @@ class Connection:
         wait = max(min(due) - self.node.now_ms(), 0) / 1000
         return wait if look is None else min(wait, look)
 
-    def hear_within(self, work: Work) -> float | None:
+    @staticmethod
+    def hear_within(work: Work) -> float | None:
         """How long the head's frames may wait for the pass that sends the next tokens: while a
         generation streams, up to a stream interval after its last tokens went out; None (they
         wake the loop) once it pauses, or waits on the head. The Rust node woke for every
@@ -481,8 +479,7 @@ class Connection:
         run = work.generation
         if run is None or run.stalled_since is not None:
             return None
-        left = run.sent_at + self.node.stream_interval - time.monotonic()
-        return left if left > 0 else None
+        return run.out.interval_left()
 
     def tend_leases(self, endpoint: Endpoint, now: int) -> None:
         """Renews and fences once a lease deadline has come, and works out the next one."""
@@ -770,7 +767,6 @@ class Connection:
         # Observed before the send, so a head that has read the event finds it in the metrics
         # and the log already (a send that fails ends the connection anyway).
         run.watch.tokens_sent(len(tokens))
-        run.sent_at = time.monotonic()
         return batch
 
 

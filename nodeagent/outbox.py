@@ -22,6 +22,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from linkf.waker import Waker
@@ -97,13 +98,15 @@ class Outbox:
         cancel: threading.Event,
         capacity: int = OUTBOX_SLOTS,
         interval: float = STREAM_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`interval`: the stream interval in seconds; 0 wakes the loop at every hand-over."""
         self._queue = _Batches(maxsize=capacity)
         self._waker = waker
         self._cancel = cancel
         self._interval = interval
-        #: When (monotonic s) the loop last took tokens.
+        self._clock = clock
+        #: When (by `clock`, in s) the loop last took tokens.
         self._took_at = -math.inf
         #: The loop's side: what `take` pulled beyond its limit, sent first next time.
         self._carry: list[int] = []
@@ -153,7 +156,7 @@ class Outbox:
     def _wake(self) -> None:
         """Sets the waker after a batch, unless the loop looks again within the interval anyway
         and the outbox is not filling."""
-        if time.monotonic() >= self._look_by() or self._queue.qsize() >= _WAKE_FILL:
+        if self._clock() >= self._look_by() or self._queue.qsize() >= _WAKE_FILL:
             self._waker.set()
 
     # The loop's side
@@ -173,21 +176,27 @@ class Outbox:
         if len(tokens) > limit:
             tokens, self._carry = tokens[:limit], tokens[limit:]
         if tokens:
-            self._took_at = time.monotonic()
+            self._took_at = self._clock()
         return tokens, None
 
     def look_within(self) -> float | None:
         """Seconds until the loop must look here again: 0 while something waits to be taken,
         else until the end of the interval, within which a batch may come without a wake; None
         when the next batch will wake it."""
-        left = self._look_by() - time.monotonic()  # before `ready`: see `_wake`
+        left = self.interval_left()  # before `ready`: see `_wake`
         if self.ready():
             return 0.0
+        return left
+
+    def interval_left(self) -> float | None:
+        """Seconds left of the interval since the loop last took tokens (the head's frames wait
+        that long for the pass that takes the next ones); None once it is over."""
+        left = self._look_by() - self._clock()
         return left if left > 0 else None
 
     def _look_by(self) -> float:
-        """The end of the interval: `_wake` and `look_within` compare the same sum, so that at
-        its very edge they cannot both leave a batch to the other."""
+        """The end of the interval: `_wake` and `interval_left` compare the same sum, so that
+        at its very edge they cannot both leave a batch to the other."""
         return self._took_at + self._interval
 
     def ready(self) -> bool:

@@ -23,6 +23,7 @@ from proto import finish
 from nodeagent.agent import UNACKED_EVENTS_MAX, UNACKED_TOKENS_MAX, Connection
 from nodeagent.daemon import GenerationResult, GenExtras
 from nodeagent.engine.mock import MockDaemon
+from nodeagent.outbox import STREAM_INTERVAL_S
 from proto.linkf import TokenEventPayload, msg_type
 
 MILLION = 1_000_000
@@ -287,7 +288,7 @@ def test_a_stream_of_one_token_steps_wakes_the_loop_once_a_stream_interval(start
     bounds follow the stream's own pace, which a loaded machine slows."""
     n = 150
     seen = stream_offered(start_node, monkeypatch, n)
-    looks = seen.took / 0.040
+    looks = seen.took / STREAM_INTERVAL_S
     assert seen.passes <= 1.3 * looks + 5, f"{seen.passes} passes for {n} steps in {seen.took:.2f} s"
     assert len(seen.frames) <= 1.3 * looks + 5, f"{len(seen.frames)} frames for {n} steps in {seen.took:.2f} s"
     gaps = [b[0] - a[0] for a, b in zip(seen.frames, seen.frames[1:])]

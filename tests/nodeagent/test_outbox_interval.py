@@ -11,14 +11,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from linkf.waker import Waker
-from nodeagent import outbox as outbox_module
 from nodeagent.outbox import OUTBOX_SLOTS, Outbox
 
 INTERVAL = 0.040
 
 
 class Clock:
-    """`time.monotonic` for the outbox, moved by hand."""
+    """The outbox's clock, moved by hand."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -27,20 +26,13 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def clock(monkeypatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(outbox_module.time, "monotonic", c)
-    return c
-
-
 def is_set(waker: Waker) -> bool:
     return bool(select.select([waker], [], [], 0)[0])
 
 
-def test_the_first_batch_wakes_the_loop_then_small_ones_wait_for_its_look(clock):
-    waker = Waker()
-    out = Outbox(waker, threading.Event(), interval=INTERVAL)
+def test_the_first_batch_wakes_the_loop_then_small_ones_wait_for_its_look():
+    clock, waker = Clock(), Waker()
+    out = Outbox(waker, threading.Event(), interval=INTERVAL, clock=clock)
     assert out.look_within() is None, "before any tokens the next batch wakes the loop"
     assert out.post([1]) and is_set(waker), "the first tokens go at once"
     waker.clear()
@@ -57,9 +49,9 @@ def test_the_first_batch_wakes_the_loop_then_small_ones_wait_for_its_look(clock)
     waker.close()
 
 
-def test_a_filling_outbox_and_the_end_wake_the_loop_whatever_the_interval(clock):
-    waker = Waker()
-    out = Outbox(waker, threading.Event(), interval=INTERVAL)
+def test_a_filling_outbox_and_the_end_wake_the_loop_whatever_the_interval():
+    clock, waker = Clock(), Waker()
+    out = Outbox(waker, threading.Event(), interval=INTERVAL, clock=clock)
     out.post([0])
     waker.clear()
     out.take(10)
@@ -73,9 +65,9 @@ def test_a_filling_outbox_and_the_end_wake_the_loop_whatever_the_interval(clock)
     waker.close()
 
 
-def test_an_interval_of_zero_wakes_the_loop_for_every_batch(clock):
-    waker = Waker()
-    out = Outbox(waker, threading.Event(), interval=0.0)
+def test_an_interval_of_zero_wakes_the_loop_for_every_batch():
+    clock, waker = Clock(), Waker()
+    out = Outbox(waker, threading.Event(), interval=0.0, clock=clock)
     for token in range(5):
         assert out.post([token]) and is_set(waker)
         waker.clear()
@@ -110,39 +102,34 @@ def test_no_token_waits_longer_than_the_interval_for_a_loop_that_sleeps_as_told(
     """A loop that sleeps until its waker or `look_within` takes every batch within the
     interval of its hand-over, whatever the pace of the hand-overs."""
     clock = Clock()
-    real = outbox_module.time.monotonic
-    outbox_module.time.monotonic = clock
-    try:
-        waker = FakeWaker(clock)
-        out = Outbox(waker, threading.Event(), interval=interval)  # type: ignore[arg-type]
-        handed: list[float] = []  # when each token was handed over, oldest first
-        taken = 0
-        look_at = float("inf")
+    waker = FakeWaker(clock)
+    out = Outbox(waker, threading.Event(), interval=interval, clock=clock)  # type: ignore[arg-type]
+    handed: list[float] = []  # when each token was handed over, oldest first
+    taken = 0
+    look_at = float("inf")
 
-        def loop_until(t: float) -> None:
-            nonlocal taken, look_at
-            while True:
-                wake = min(look_at, waker.set_at if waker.set_at is not None else float("inf"))
-                if wake > t or wake == float("inf"):
-                    return
-                clock.now = wake
-                waker.clear()
-                tokens, _ = out.take(1 << 20)
-                for handed_at in handed[taken : taken + len(tokens)]:
-                    assert clock.now - handed_at <= interval + 1e-5
-                taken += len(tokens)
-                look = out.look_within()
-                # A float rounding may leave a look a hair away: the loop's poll rounds it up.
-                look_at = float("inf") if look is None else clock.now + max(look, 1e-6)
+    def loop_until(t: float) -> None:
+        nonlocal taken, look_at
+        while True:
+            wake = min(look_at, waker.set_at if waker.set_at is not None else float("inf"))
+            if wake > t or wake == float("inf"):
+                return
+            clock.now = wake
+            waker.clear()
+            tokens, _ = out.take(1 << 20)
+            for handed_at in handed[taken : taken + len(tokens)]:
+                assert clock.now - handed_at <= interval + 1e-5
+            taken += len(tokens)
+            look = out.look_within()
+            # A float rounding may leave a look a hair away: the loop's poll rounds it up.
+            look_at = float("inf") if look is None else clock.now + max(look, 1e-6)
 
-        at = clock.now
-        for gap, size in zip(gaps, sizes):
-            at += gap
-            loop_until(at)
-            clock.now = at
-            out.post(list(range(size)))
-            handed += [at] * size
-        loop_until(float("inf"))
-        assert taken == len(handed), "every token was taken"
-    finally:
-        outbox_module.time.monotonic = real
+    at = clock.now
+    for gap, size in zip(gaps, sizes):
+        at += gap
+        loop_until(at)
+        clock.now = at
+        out.post(list(range(size)))
+        handed += [at] * size
+    loop_until(float("inf"))
+    assert taken == len(handed), "every token was taken"
