@@ -13,7 +13,8 @@ the stream interval after the loop last took tokens, small batches wait for the 
 look (`look_within`), which its sleep never passes. Each wake-up of a loop is time taken from
 an engine that fills the machine's cores, so a stream of one-token steps goes out a few tokens
 a frame, at most an interval late. The first tokens, those after a pause, a batch that fills a
-quarter of the outbox and the end go at once.
+quarter of the outbox and the end go at once. Intervals end on ticks of the clock that every
+outbox shares, so the loops of many streams wake together.
 """
 
 from __future__ import annotations
@@ -195,9 +196,14 @@ class Outbox:
         return left if left > 0 else None
 
     def _look_by(self) -> float:
-        """The end of the interval: `_wake` and `interval_left` compare the same sum, so that
-        at its very edge they cannot both leave a batch to the other."""
-        return self._took_at + self._interval
+        """The end of the interval: the first multiple of the interval on the clock after the
+        loop last took tokens. Every outbox ends its intervals on the same ticks, so the loops
+        of many streams wake in one burst an interval, not one after another all through it.
+        `_wake` and `interval_left` compare this same value, so that at its very edge they
+        cannot both leave a batch to the other."""
+        if self._interval <= 0 or math.isinf(self._took_at):
+            return self._took_at + self._interval
+        return (math.floor(self._took_at / self._interval) + 1) * self._interval
 
     def ready(self) -> bool:
         """Something waits to be taken."""

@@ -49,6 +49,26 @@ def test_the_first_batch_wakes_the_loop_then_small_ones_wait_for_its_look():
     waker.close()
 
 
+def test_the_intervals_of_every_outbox_end_on_the_same_ticks():
+    """Loops that took their tokens at different moments look again at the same one, never
+    more than an interval after their take."""
+    clock = Clock()
+    wakers = [Waker() for _ in range(3)]
+    outs = [Outbox(w, threading.Event(), interval=INTERVAL, clock=clock) for w in wakers]
+    ends = set()
+    for i, out in enumerate(outs):
+        clock.now = 100.0 + 0.013 * i + 0.002
+        out.post([i])
+        assert out.take(10) == ([i], None)
+        left = out.look_within()
+        assert left is not None and 0 < left <= INTERVAL
+        ends.add(round(clock.now + left, 9))
+        out.release()
+    assert len(ends) == 1, f"the intervals end at {sorted(ends)}"
+    for w in wakers:
+        w.close()
+
+
 def test_a_filling_outbox_and_the_end_wake_the_loop_whatever_the_interval():
     clock, waker = Clock(), Waker()
     out = Outbox(waker, threading.Event(), interval=INTERVAL, clock=clock)
@@ -125,7 +145,7 @@ def test_no_token_waits_longer_than_the_interval_for_a_loop_that_sleeps_as_told(
             look_at = float("inf") if look is None else clock.now + max(look, 1e-6)
 
     at = clock.now
-    for gap, size in zip(gaps, sizes):
+    for gap, size in zip(gaps, sizes, strict=False):
         at += gap
         loop_until(at)
         clock.now = at
