@@ -107,8 +107,10 @@ class Outbox:
         self._cancel = cancel
         self._interval = interval
         self._clock = clock
-        #: When (by `clock`, in s) the loop last took tokens.
-        self._took_at = -math.inf
+        #: When (by `clock`, in s) the interval since the loop last took tokens ends. `_wake`
+        #: and `interval_left` read this one value, so that at its very edge they cannot both
+        #: leave a batch to the other.
+        self._look_by = -math.inf
         #: The loop's side: what `take` pulled beyond its limit, sent first next time.
         self._carry: list[int] = []
         self._released = threading.Event()
@@ -157,7 +159,7 @@ class Outbox:
     def _wake(self) -> None:
         """Sets the waker after a batch, unless the loop looks again within the interval anyway
         and the outbox is not filling."""
-        if self._clock() >= self._look_by() or self._queue.qsize() >= _WAKE_FILL:
+        if self._clock() >= self._look_by or self._queue.qsize() >= _WAKE_FILL:
             self._waker.set()
 
     # The loop's side
@@ -177,7 +179,7 @@ class Outbox:
         if len(tokens) > limit:
             tokens, self._carry = tokens[:limit], tokens[limit:]
         if tokens:
-            self._took_at = self._clock()
+            self._look_by = self._interval_end(self._clock())
         return tokens, None
 
     def look_within(self) -> float | None:
@@ -190,20 +192,18 @@ class Outbox:
         return left
 
     def interval_left(self) -> float | None:
-        """Seconds left of the interval since the loop last took tokens (the head's frames wait
-        that long for the pass that takes the next ones); None once it is over."""
-        left = self._look_by() - self._clock()
+        """Seconds until the interval since the loop last took tokens ends (the head's frames
+        wait that long for the pass that takes the next ones); None once it is over."""
+        left = self._look_by - self._clock()
         return left if left > 0 else None
 
-    def _look_by(self) -> float:
-        """The end of the interval: the first multiple of the interval on the clock after the
-        loop last took tokens. Every outbox ends its intervals on the same ticks, so the loops
-        of many streams wake in one burst an interval, not one after another all through it.
-        `_wake` and `interval_left` compare this same value, so that at its very edge they
-        cannot both leave a batch to the other."""
-        if self._interval <= 0 or math.isinf(self._took_at):
-            return self._took_at + self._interval
-        return (math.floor(self._took_at / self._interval) + 1) * self._interval
+    def _interval_end(self, took_at: float) -> float:
+        """The first multiple of the interval on the clock after `took_at`. Every outbox ends
+        its intervals on the same ticks, so the loops of many streams wake in one burst an
+        interval, not one after another all through it."""
+        if self._interval <= 0:
+            return took_at
+        return (math.floor(took_at / self._interval) + 1) * self._interval
 
     def ready(self) -> bool:
         """Something waits to be taken."""
