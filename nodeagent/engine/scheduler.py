@@ -298,9 +298,11 @@ class Scheduler:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch-scheduler", daemon=True)
         self._thread.start()
-        _RUNNING.add(self)
+        self._watchdog: threading.Thread | None = None
         if stall_timeout_s > 0:
-            threading.Thread(target=self._watch, name="torch-watchdog", daemon=True).start()
+            self._watchdog = threading.Thread(target=self._watch, name="torch-watchdog", daemon=True)
+            self._watchdog.start()
+        _RUNNING.add(self)
 
     # -- caller threads ------------------------------------------------------------------------
 
@@ -387,7 +389,7 @@ class Scheduler:
         return EngineHealth.OK if self._stall is None else EngineHealth.STALLED
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stops the thread; a stalled or failed one is not waited for."""
+        """Stops the threads; a stalled or failed scheduler thread is not waited for."""
         _RUNNING.discard(self)
         self._closing.set()
         with self._cond:
@@ -395,6 +397,10 @@ class Scheduler:
             self._cond.notify()
             stuck = self._stall is not None or self._failed is not None
         self._thread.join(0 if stuck else timeout)
+        if self._watchdog is not None:
+            # Joined so it never drops the last reference to the model as the interpreter exits:
+            # freeing a tensor lets go of the GIL, and retaking it then kills the thread (abort).
+            self._watchdog.join(timeout)
 
     # -- the watchdog thread -------------------------------------------------------------------
 

@@ -305,6 +305,25 @@ def test_close_cancels_running_generations(make):
         run(daemon)
 
 
+def test_close_waits_for_every_thread_the_scheduler_started_the_watchdog_mid_pass_included(make, monkeypatch):
+    """A thread close leaves running drops the last reference to the model later: freeing its
+    tensors while the interpreter exits aborted the process (std::terminate)."""
+    before = set(threading.enumerate())
+    daemon = make(stall_timeout_ms=400)
+    started = [t for t in threading.enumerate() if t not in before]
+    assert sorted(t.name for t in started) == ["torch-scheduler", "torch-watchdog"]
+    in_pass = threading.Event()
+
+    def slow_pass(now: float) -> None:  # a watchdog pass that is still running when close comes
+        in_pass.set()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(daemon._scheduler, "_check_stall", slow_pass)
+    assert in_pass.wait(5)
+    daemon.close()
+    assert [t.name for t in started if t.is_alive()] == []
+
+
 def test_prefill_serves_the_longest_waiting_lane_first_then_packs_short_ones():
     def waiting(admitted, prompt_len):
         gen = Generation(list(range(prompt_len)), 4, None, 0, None)
