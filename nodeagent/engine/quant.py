@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nodeagent.engine import amx
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear, padded_rows
 
@@ -202,26 +203,33 @@ class Int4Linear:
         self.scales_and_zeros = pairs.contiguous().to(torch.bfloat16)
         #: Set by `unpack_prefill`: the packed layout's row block, for chunks of many rows.
         self.unpack_width: int | None = None
+        #: Set by `unpack_prefill` where AMX runs those chunks (`amx.py`).
+        self.amx: amx.Int4Kernel | None = None
         self.bias = bias
         self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2 + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
+        if len(rows) >= UNPACK_ROWS and self.amx is not None:
+            y = self.amx(rows.contiguous(), self.packed, self.scales_and_zeros, INT4_GROUP)
+        elif len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
             y = self._unpacked_product(rows)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
         return _finish(y, x, self.bias)
 
     def unpack_prefill(self) -> None:
-        """Run chunks of `UNPACK_ROWS` rows or more as one bf16 GEMM on the unpacked weight,
-        where this process's layout is known and the rows fill its blocks. Faster, but those
-        rows' products then differ from the kernel's in the last bits (the kernel keeps each
-        weight in fp32 and sums in another order), so a token's hidden state depends on how
-        its prompt was batched."""
+        """Run chunks of `UNPACK_ROWS` rows or more on AMX tiles (`amx.py`) or else as one bf16
+        GEMM on the unpacked weight, where this process's layout is known and the rows fill its
+        blocks. Faster, but those rows' products then differ from the kernel's in the last bits
+        (the kernel keeps each weight in fp32 and sums in another order), so a token's hidden
+        state depends on how its prompt was batched."""
         width = int4_unpack_width()
         if width is not None and self.out_features % width == 0:
             self.unpack_width = width
+        kernel = amx.int4_kernel() if width == amx.BLOCK_ROWS else None
+        if kernel is not None and kernel.fits(self.out_features, self.in_features, INT4_GROUP):
+            self.amx = kernel
 
     def _unpacked_product(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows times the unpacked weight, padded to the row counts packed projections run
