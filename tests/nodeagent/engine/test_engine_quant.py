@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tinymodel import TINY
 
 from nodeagent.daemon import ModelLoadError
-from nodeagent.engine import quant
+from nodeagent.engine import amx, quant
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.choices import WeightFormat
@@ -336,7 +336,8 @@ def test_a_quantized_gguf_loads_quantized_under_auto_and_names_why(tmp_path):
 def test_the_serving_line_says_whether_fast_prefill_took(caplog):
     fast = TorchDaemon.load("builtin", device="cpu", weights="int4", fast_prefill=True, kv_budget_mb=8)
     try:
-        assert "int4 (as asked; fast prefill)" in fast.summary()
+        where = " on AMX" if amx.int4_kernel() is not None else ""
+        assert f"int4 (as asked; fast prefill{where})" in fast.summary()
     finally:
         fast.close()
     plain = TorchDaemon.load("builtin", device="cpu", weights="float", fast_prefill=True, kv_budget_mb=8)
