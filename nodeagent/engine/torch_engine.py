@@ -40,7 +40,6 @@ from nodeagent.daemon import (
     StageToken,
     check_stream,
 )
-from nodeagent.engine import amx
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_NAME, builtin_model
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, WEIGHTS, WeightFormat
 from nodeagent.engine.gguf_file import GGUFSource, load_gguf, projection_bits
@@ -433,9 +432,9 @@ def load_shard(spec: ShardSpec, rank: int) -> LlamaModel:
 
 def _unpack_prefill(model: LlamaModel, quantization: Quantization) -> Quantization:
     """--fast-prefill on a loaded model; the serving line's reason says whether it took."""
-    if model.unpack_prefill():
-        how = " on AMX" if amx.int4_kernel() is not None else ""
-        return dataclasses.replace(quantization, reason=f"{quantization.reason}; fast prefill{how}")
+    how = model.unpack_prefill()
+    if how is not None:
+        return dataclasses.replace(quantization, reason=f"{quantization.reason}; {how}")
     log.warning("--fast-prefill: no int4 projection here can run unpacked; prefill stays on the int4 kernel")
     return quantization
 
