@@ -182,15 +182,20 @@ class LlamaModel:
         """The bytes of the decoder layers alone: what tensor parallelism splits."""
         return sum(_nbytes(p) for w in self.layers for p in vars(w).values() if p is not None)
 
-    def unpack_prefill(self) -> str | None:
-        """Let int4 projections run long prefill chunks unpacked (`Int4Linear.unpack_prefill`);
-        how for the serving line ("fast prefill", "fast prefill on AMX"), or None where none can."""
-        projections = [p for layer in self.layers for p in vars(layer).values() if isinstance(p, Int4Linear)]
+    def unpack_prefill(self) -> bool:
+        """Let int4 projections on torch's kernel run long prefill chunks unpacked
+        (`Int4Linear.unpack_prefill`); whether any can."""
+        projections = self._int4_projections()
         for projection in projections:
             projection.unpack_prefill()
-        if any(p.amx is not None for p in projections):
-            return "fast prefill on AMX"
-        return "fast prefill" if any(p.unpack_width is not None for p in projections) else None
+        return any(p.unpack_width is not None for p in projections)
+
+    def int4_kernel(self) -> str | None:
+        """Where the exact int4 kernel runs the projections ("AMX", "AVX-512 VNNI"), or None."""
+        return next((p.kernel.name for p in self._int4_projections() if p.kernel is not None), None)
+
+    def _int4_projections(self) -> list[Int4Linear]:
+        return [p for layer in self.layers for p in vars(layer).values() if isinstance(p, Int4Linear)]
 
     def attention_mask(self, q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
         """[B,1,C,n_keys] bool, True where a query at q_positions [B,C] sees key position k:

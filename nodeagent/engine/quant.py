@@ -1,18 +1,19 @@
 """Weights kept quantized in memory: int8 per output channel, or int4 in groups of 32.
 
 A decode step reads every weight once, so on the CPU its cost is the bytes of its weights.
-These projections hold a quarter (int8) or an eighth (int4) of the fp32 bytes and multiply
-them with kernels torch ships:
+These projections hold a quarter (int8) or an eighth (int4) of the fp32 bytes:
 
 - int8: torch's `_weight_int8pack_mm`, symmetric per output channel.
-- int4: torch's `_weight_int4pack_mm_for_cpu`, asymmetric groups of 32 (a scale and a zero
-  per group, which is GGUF Q4_0 and Q4_1 exactly).
+- int4: asymmetric groups of 32 (a scale and a minimum per group, which is GGUF Q4_0 and Q4_1
+  exactly), on this package's exact kernel where the processor has AVX-512 VNNI
+  (`int4_cpu.py`), else on torch's `_weight_int4pack_mm_for_cpu`.
 
-Both are weight-only: activations stay bf16, because their fast CPU kernels take bf16, and are
-never quantized (fbgemm's int8 linear is faster still but quantizes each call's activations per
-tensor, and the outlier channels of real models make that lose the top token too often). The
-lm_head and the embedding are int8 in either format: they are often the file's most precise
-tensors, and the logits are what sampling reads.
+torch's kernels are weight-only: activations go through them as bf16. The exact int4 kernel
+keeps 16 bits of each activation against the largest of its group of 32 instead. Neither
+quantizes activations per tensor as fbgemm's int8 linear does (faster still, but the outlier
+channels of real models make that lose the top token too often). The lm_head and the embedding
+are int8 in either format: they are often the file's most precise tensors, and the logits are
+what sampling reads.
 
 Which one pays depends on the processor (AVX-512 or AVX2, bf16 or not), so `auto` measures
 each against float on this machine before it picks one (`kernel_speedups`).
@@ -27,11 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nodeagent.engine import amx
+from nodeagent.engine import int4_cpu
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear, padded_rows
 
-INT4_GROUP = 32
+#: A GGUF Q4 block; the exact kernel's groups (`int4_cpu.py`) are the same.
+INT4_GROUP = int4_cpu.GROUP
 #: The int4 kernel packs output rows in tiles of 16.
 INT4_ROW_TILE = 16
 #: The int8 kernel reads past the end of rows of other lengths (it crashed on some).
@@ -196,40 +198,46 @@ class Int4Linear:
                 f"an int4 weight needs rows a multiple of {INT4_ROW_TILE} and columns of {INT4_GROUP}; "
                 f"got {list(weight.shape)}"
             )
-        codes, scale, zero = int4_groups(weight.float())
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
-        # The kernel's layout: [groups, rows, (scale, zero)], w = (code - 8) * scale + zero.
-        pairs = torch.stack([scale, zero + 8 * scale], -1).transpose(0, 1)
-        self.scales_and_zeros = pairs.contiguous().to(torch.bfloat16)
+        codes, scale, minimum = int4_groups(weight.float())
+        #: The exact int4 CPU kernel (`int4_cpu.py`) where it runs this shape, else torch's.
+        self.kernel = int4_cpu.int4_kernel() if weight.device.type == "cpu" else None
+        if self.kernel is not None and not self.kernel.fits(self.out_features, self.in_features):
+            self.kernel = None
+        if self.kernel is not None:
+            self.packed = self.kernel.pack(codes)
+            self.scale, self.minimum = scale.t().contiguous(), minimum.t().contiguous()
+            scale_bytes = self.scale.numel() * 8
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
+            # torch's layout: [groups, rows, (scale, zero)], w = (code - 8) * scale + zero.
+            pairs = torch.stack([scale, minimum + 8 * scale], -1).transpose(0, 1)
+            self.scales_and_zeros = pairs.contiguous().to(torch.bfloat16)
+            scale_bytes = self.scales_and_zeros.numel() * 2
         #: Set by `unpack_prefill`: the packed layout's row block, for chunks of many rows.
         self.unpack_width: int | None = None
-        #: Set by `unpack_prefill` where AMX runs those chunks (`amx.py`).
-        self.amx: amx.Int4Kernel | None = None
         self.bias = bias
-        self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2 + _bytes(bias)
+        self.nbytes = self.packed.numel() + scale_bytes + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            rows = x.reshape(-1, self.in_features).float().contiguous()
+            return _finish(self.kernel(rows, self.packed, self.scale, self.minimum), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if len(rows) >= UNPACK_ROWS and self.amx is not None:
-            y = self.amx(rows.contiguous(), self.packed, self.scales_and_zeros, INT4_GROUP)
-        elif len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
+        if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
             y = self._unpacked_product(rows)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
         return _finish(y, x, self.bias)
 
     def unpack_prefill(self) -> None:
-        """Run chunks of `UNPACK_ROWS` rows or more on AMX tiles (`amx.py`) or else as one bf16
-        GEMM on the unpacked weight, where this process's layout is known and the rows fill its
-        blocks. Faster, but those rows' products then differ from the kernel's in the last bits
-        (the kernel keeps each weight in fp32 and sums in another order), so a token's hidden
-        state depends on how its prompt was batched."""
+        """Run chunks of `UNPACK_ROWS` rows or more as one bf16 GEMM on the unpacked weight,
+        where this process's layout of torch's kernel is known and the rows fill its blocks.
+        Faster, but those rows' products then differ from the kernel's in the last bits (the
+        kernel keeps each weight in fp32 and sums in another order), so a token's hidden state
+        depends on how its prompt was batched. The exact kernel needs none of this."""
         width = int4_unpack_width()
-        if width is not None and self.out_features % width == 0:
+        if self.kernel is None and width is not None and self.out_features % width == 0:
             self.unpack_width = width
-        kernel = amx.int4_kernel() if width == amx.BLOCK_ROWS else None
-        if kernel is not None and kernel.fits(self.out_features, self.in_features, INT4_GROUP):
-            self.amx = kernel
 
     def _unpacked_product(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows times the unpacked weight, padded to the row counts packed projections run
@@ -267,7 +275,12 @@ class Int4Linear:
         return weight_t
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, from an identity product."""
+        """The weight the kernel multiplies by: from the codes, or from an identity product
+        through torch's kernel."""
+        if self.kernel is not None:
+            codes = self.kernel.unpack(self.packed).float().view(self.out_features, -1, INT4_GROUP)
+            weight = codes * self.scale.t()[..., None] + self.minimum.t()[..., None]
+            return weight.view(self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_and_zeros)
         return w_t.float().t()

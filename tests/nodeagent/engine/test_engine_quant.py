@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tinymodel import TINY
 
 from nodeagent.daemon import ModelLoadError
-from nodeagent.engine import amx, quant
+from nodeagent.engine import int4_cpu, quant
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.choices import WeightFormat
@@ -98,6 +98,7 @@ needs_unpacking = pytest.mark.skipif(
 
 @needs_int4
 @needs_unpacking
+@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
 @pytest.mark.parametrize("shape", [(64, 32), (192, 96), (960, 576)])
 def test_an_unpacked_int4_weight_is_the_kernels_own_weight(shape):
     linear = quant.Int4Linear(torch.randn(*shape) * 0.05)
@@ -108,6 +109,7 @@ def test_an_unpacked_int4_weight_is_the_kernels_own_weight(shape):
 
 @needs_int4
 @needs_unpacking
+@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
 @pytest.mark.parametrize("rows", [quant.UNPACK_ROWS - 1, quant.UNPACK_ROWS, 77, 300])
 def test_long_chunks_run_unpacked_within_bf16_of_the_kernel_and_short_ones_on_it(rows):
     torch.manual_seed(rows)
@@ -123,6 +125,7 @@ def test_long_chunks_run_unpacked_within_bf16_of_the_kernel_and_short_ones_on_it
 
 @needs_int4
 @needs_unpacking
+@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
 def test_a_weight_unpacked_in_slices_is_the_whole_weight(monkeypatch):
     width = quant.int4_unpack_width()
     linear = quant.Int4Linear(torch.randn(5 * width, 96) * 0.05)
@@ -138,6 +141,7 @@ def test_a_weight_unpacked_in_slices_is_the_whole_weight(monkeypatch):
 
 @needs_int4
 @needs_unpacking
+@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
 def test_a_weight_whose_rows_do_not_fill_the_layouts_blocks_stays_on_the_kernel():
     weight, x = torch.randn(quant.int4_unpack_width() + 16, 64), torch.randn(quant.UNPACK_ROWS, 64)
     linear = quant.Int4Linear(weight)
@@ -296,6 +300,7 @@ def test_a_prefix_cache_hit_on_int4_weights_changes_no_token(int4_model):
 
 
 @needs_unpacking
+@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
 def test_fast_prefill_changes_a_long_prompts_logits_only_within_bf16():
     tensors = random_tensors(TINY, seed=11, std=0.1)
     models = [LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, CPU, WeightFormat.INT4) for _ in "ab"]
@@ -333,11 +338,11 @@ def test_a_quantized_gguf_loads_quantized_under_auto_and_names_why(tmp_path):
 
 @needs_int4
 @needs_unpacking
+@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
 def test_the_serving_line_says_whether_fast_prefill_took(caplog):
     fast = TorchDaemon.load("builtin", device="cpu", weights="int4", fast_prefill=True, kv_budget_mb=8)
     try:
-        where = " on AMX" if amx.int4_kernel() is not None else ""
-        assert f"int4 (as asked; fast prefill{where})" in fast.summary()
+        assert "int4 (as asked; fast prefill)" in fast.summary()
     finally:
         fast.close()
     plain = TorchDaemon.load("builtin", device="cpu", weights="float", fast_prefill=True, kv_budget_mb=8)
@@ -351,3 +356,16 @@ def test_the_serving_line_says_whether_fast_prefill_took(caplog):
 def test_an_unknown_weights_format_fails_the_load_by_name():
     with pytest.raises(ModelLoadError, match="int3"):
         TorchDaemon.load("builtin", device="cpu", weights="int3")
+
+
+def test_the_serving_line_names_the_exact_int4_kernel_and_fast_prefill_leaves_it(caplog):
+    kernel = int4_cpu.int4_kernel()
+    if kernel is None:
+        pytest.skip("no exact int4 kernel here")
+    with caplog.at_level("INFO", logger="nodeagent.engine.torch_engine"):
+        daemon = TorchDaemon.load("builtin", device="cpu", weights="int4", fast_prefill=True, kv_budget_mb=8)
+    try:
+        assert f"int4 (as asked; exact int4 kernel on {kernel.name})" in daemon.summary()
+        assert "the exact int4 kernel already runs prefill chunks fast" in caplog.text
+    finally:
+        daemon.close()
