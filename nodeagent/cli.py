@@ -67,9 +67,10 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --weights (torch) defaults to auto: a quantized GGUF file stays quantized on the CPU (int4 or
  int8, whichever this CPU runs faster than float), anything else is float; int8 and int4
  quantize any checkpoint at load; the serving line says what was chosen and why.
- --fast-prefill (torch, int4 on the CPU) runs prefill chunks of 64 tokens or more as bf16 GEMMs
- on unpacked weights: several times faster, but a generation's tokens may then depend on how its
- prompt was batched (a preemption or a prefix-cache hit can change a near-tie).
+ --fast-prefill (torch, int4 on torch's CPU kernel) runs prefill chunks of 64 tokens or more as
+ bf16 GEMMs on unpacked weights: several times faster, but a generation's tokens may then depend
+ on how its prompt was batched (a preemption or a prefix-cache hit can change a near-tie). Where
+ the node's exact int4 kernel runs (AVX-512 VNNI), prefill is fast and exact without it.
  --engine-stall-timeout-ms (torch, default {DEFAULT_STALL_TIMEOUT_MS}) marks the engine stalled
  when one step runs longer: its generations end with an error and /health answers 503 until it
  returns (0: no watchdog).
