@@ -190,9 +190,11 @@ class LlamaModel:
             projection.unpack_prefill()
         return any(p.unpack_width is not None for p in projections)
 
-    def int4_kernel(self) -> str | None:
-        """Where the exact int4 kernel runs the projections ("AMX", "AVX-512 VNNI"), or None."""
-        return next((p.kernel.name for p in self._int4_projections() if p.kernel is not None), None)
+    def cpu_kernels(self) -> str | None:
+        """Where the node's own CPU kernels (`cpu_kernels.py`) run the quantized projections
+        ("AMX", "AVX-512 VNNI"), or None where none does."""
+        parts = [self.lm_head, *(p for layer in self.layers for p in vars(layer).values())]
+        return next((p.kernels.name for p in parts if getattr(p, "kernels", None) is not None), None)
 
     def _int4_projections(self) -> list[Int4Linear]:
         return [p for layer in self.layers for p in vars(layer).values() if isinstance(p, Int4Linear)]

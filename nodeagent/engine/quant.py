@@ -3,13 +3,13 @@
 A decode step reads every weight once, so on the CPU its cost is the bytes of its weights.
 These projections hold a quarter (int8) or an eighth (int4) of the fp32 bytes:
 
-- int8: torch's `_weight_int8pack_mm`, symmetric per output channel.
+- int8: symmetric groups of 32 (GGUF Q8_0 exactly) on the node's own kernel where the processor
+  has AVX-512 VNNI (`cpu_kernels.py`), else torch's `_weight_int8pack_mm`, one scale an output row.
 - int4: asymmetric groups of 32 (a scale and a minimum per group, which is GGUF Q4_0 and Q4_1
-  exactly), on this package's exact kernel where the processor has AVX-512 VNNI
-  (`int4_cpu.py`), else on torch's `_weight_int4pack_mm_for_cpu`.
+  exactly), on the node's own kernel likewise, else torch's `_weight_int4pack_mm_for_cpu`.
 
-torch's kernels are weight-only: activations go through them as bf16. The exact int4 kernel
-keeps 16 bits of each activation against the largest of its group of 32 instead. Neither
+torch's kernels are weight-only: activations go through them as bf16. The node's kernels keep
+16 bits of each activation against the largest of its group of 32 instead, and sum exactly. Neither
 quantizes activations per tensor as fbgemm's int8 linear does (faster still, but the outlier
 channels of real models make that lose the top token too often). The lm_head and the embedding
 are int8 in either format: they are often the file's most precise tensors, and the logits are
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nodeagent.engine import int4_cpu
+from nodeagent.engine import cpu_kernels
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear, padded_rows
 
-#: A GGUF Q4 block; the exact kernel's groups (`int4_cpu.py`) are the same.
-INT4_GROUP = int4_cpu.GROUP
+#: A GGUF Q4 and Q8_0 block; the node's CPU kernels (`cpu_kernels.py`) take the same groups.
+GROUP = cpu_kernels.GROUP
 #: The int4 kernel packs output rows in tiles of 16.
 INT4_ROW_TILE = 16
 #: The int8 kernel reads past the end of rows of other lengths (it crashed on some).
@@ -134,8 +134,15 @@ def _best_time(linears: list, x: torch.Tensor, rounds: int = 7) -> float:
     return best
 
 
+def _node_kernels(weight: torch.Tensor) -> cpu_kernels.CpuKernels | None:
+    """The node's CPU kernels where they run this weight's device and shape, else None."""
+    kernels = cpu_kernels.cpu_kernels() if weight.device.type == "cpu" else None
+    return kernels if kernels is not None and kernels.fits(*weight.shape) else None
+
+
 class Int8Linear:
-    """`x @ W.T + b` with W int8 per output channel; x goes through the kernel as bf16."""
+    """`x @ W.T + b` with W int8: in groups of 32 on the node's kernels, else one scale an
+    output row through torch's kernel (x as bf16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
@@ -143,18 +150,33 @@ class Int8Linear:
             raise WeightFormatError(
                 f"an int8 weight needs columns a multiple of {INT8_COLUMN_MULTIPLE}; got {list(weight.shape)}"
             )
-        self.codes, scale = int8_rows(weight.float())
-        self.scale = scale.to(torch.bfloat16)
+        self.kernels = _node_kernels(weight)
+        if self.kernels is not None:
+            codes, scale = int8_groups(weight.float())
+            self.codes, self.scale = self.kernels.pack_int8(codes), scale.t().contiguous()
+        else:
+            self.codes, scale = int8_rows(weight.float())
+            self.scale = scale.to(torch.bfloat16)
         self.bias = bias
-        self.nbytes = self.codes.numel() + self.scale.numel() * 2 + _bytes(bias)
+        self.nbytes = self.codes.numel() + _bytes(self.scale) + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            rows = x.reshape(-1, self.in_features).float().contiguous()
+            return _finish(self.kernels.int8(rows, self.codes, self.scale), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
         return _finish(y, x, self.bias)
 
+    def weight_rows(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight rows [len(outputs), in] of the 1-D index `outputs`."""
+        if self.kernels is None:
+            return self.codes[outputs].float() * self.scale[outputs].float().unsqueeze(-1)
+        codes = self.kernels.unpack_int8(self.codes, outputs).float().view(len(outputs), -1, GROUP)
+        return (codes * self.scale.t()[outputs].unsqueeze(-1)).view(len(outputs), self.in_features)
+
     def dequantized(self) -> torch.Tensor:
-        return self.codes.float() * self.scale.float()[:, None]
+        return self.weight_rows(torch.arange(self.out_features))
 
 
 class Int8Head(Int8Linear):
@@ -181,7 +203,7 @@ class Int8Head(Int8Linear):
         first = self.scout(rows) if greedy and self.scout is not None else super().__call__(rows)
         logits = first.float()
         top = logits.topk(min(self.REFINED, self.out_features), dim=-1).indices
-        weights = self.codes[top].float() * self.scale[top].float().unsqueeze(-1)
+        weights = self.weight_rows(top.flatten()).view(*top.shape, self.in_features)
         exact = torch.einsum("mkd,md->mk", weights, rows)
         if self.bias is not None:
             exact += self.bias[top].float()
@@ -195,16 +217,13 @@ class Int4Linear:
         self.out_features, self.in_features = weight.shape
         if not int4_fits(weight.shape):
             raise WeightFormatError(
-                f"an int4 weight needs rows a multiple of {INT4_ROW_TILE} and columns of {INT4_GROUP}; "
+                f"an int4 weight needs rows a multiple of {INT4_ROW_TILE} and columns of {GROUP}; "
                 f"got {list(weight.shape)}"
             )
         codes, scale, minimum = int4_groups(weight.float())
-        #: The exact int4 CPU kernel (`int4_cpu.py`) where it runs this shape, else torch's.
-        self.kernel = int4_cpu.int4_kernel() if weight.device.type == "cpu" else None
-        if self.kernel is not None and not self.kernel.fits(self.out_features, self.in_features):
-            self.kernel = None
-        if self.kernel is not None:
-            self.packed = self.kernel.pack(codes)
+        self.kernels = _node_kernels(weight)
+        if self.kernels is not None:
+            self.packed = self.kernels.pack_int4(codes)
             self.scale, self.minimum = scale.t().contiguous(), minimum.t().contiguous()
             scale_bytes = self.scale.numel() * 8
         else:
@@ -219,14 +238,14 @@ class Int4Linear:
         self.nbytes = self.packed.numel() + scale_bytes + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
+        if self.kernels is not None:
             rows = x.reshape(-1, self.in_features).float().contiguous()
-            return _finish(self.kernel(rows, self.packed, self.scale, self.minimum), x, self.bias)
+            return _finish(self.kernels.int4(rows, self.packed, self.scale, self.minimum), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
             y = self._unpacked_product(rows)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
         return _finish(y, x, self.bias)
 
     def unpack_prefill(self) -> None:
@@ -236,7 +255,7 @@ class Int4Linear:
         kernel keeps each weight in fp32 and sums in another order), so a token's hidden state
         depends on how its prompt was batched. The exact kernel needs none of this."""
         width = int4_unpack_width()
-        if self.kernel is None and width is not None and self.out_features % width == 0:
+        if self.kernels is None and width is not None and self.out_features % width == 0:
             self.unpack_width = width
 
     def _unpacked_product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -263,26 +282,26 @@ class Int4Linear:
         width = self.unpack_width
         assert width is not None
         end = self.out_features if end is None else end
-        blocks, groups, half = (end - start) // width, self.in_features // INT4_GROUP, self.in_features // 2
+        blocks, groups, half = (end - start) // width, self.in_features // GROUP, self.in_features // 2
         packed = self.packed.view(-1)[start * half : end * half]
         codes = _blocked_codes(packed, end - start, self.in_features, width).view(torch.int8) - 8
-        codes = codes.view(blocks, groups, INT4_GROUP, width).to(torch.bfloat16)
+        codes = codes.view(blocks, groups, GROUP, width).to(torch.bfloat16)
         pairs = self.scales_and_zeros[:, start:end].view(groups, blocks, 1, width, 2)
         scale, zero = pairs.permute(4, 1, 0, 2, 3).contiguous()
         weight_t = torch.empty(self.in_features, end - start, dtype=torch.bfloat16)
-        blocked = weight_t.view(groups, INT4_GROUP, blocks, width).permute(2, 0, 1, 3)
+        blocked = weight_t.view(groups, GROUP, blocks, width).permute(2, 0, 1, 3)
         torch.addcmul(zero, codes, scale, out=blocked)
         return weight_t
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by: from the codes, or from an identity product
         through torch's kernel."""
-        if self.kernel is not None:
-            codes = self.kernel.unpack(self.packed).float().view(self.out_features, -1, INT4_GROUP)
+        if self.kernels is not None:
+            codes = self.kernels.unpack_int4(self.packed).float().view(self.out_features, -1, GROUP)
             weight = codes * self.scale.t()[..., None] + self.minimum.t()[..., None]
             return weight.view(self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scales_and_zeros)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros)
         return w_t.float().t()
 
 
@@ -296,7 +315,7 @@ def int4_unpack_width() -> int | None:
             return None
     except (AttributeError, RuntimeError):
         return None
-    rows, columns = 64, 2 * INT4_GROUP
+    rows, columns = 64, 2 * GROUP
     codes = torch.randint(0, 16, (rows, columns), generator=torch.Generator().manual_seed(0))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
     for width in (64, 32, 2):
@@ -325,7 +344,16 @@ def _bytes(tensor: torch.Tensor | None) -> int:
 
 def int4_fits(shape: torch.Size | tuple[int, ...]) -> bool:
     rows, columns = shape
-    return rows % INT4_ROW_TILE == 0 and columns % INT4_GROUP == 0
+    return rows % INT4_ROW_TILE == 0 and columns % GROUP == 0
+
+
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [rows, columns] and a scale per group of 32 along each row [rows,
+    groups]: w ≈ code * scale. A group whose largest code is ±127, as in a GGUF Q8_0 block,
+    comes back exactly."""
+    rows, columns = weight.shape
+    codes, scale = int8_rows(weight.reshape(-1, GROUP))
+    return codes.view(rows, columns), scale.view(rows, columns // GROUP)
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,7 +368,7 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     [rows, groups]: w ≈ code * scale + minimum. A group that spans the 16 codes, as every
     GGUF Q4_1 block does, comes back exactly."""
     rows, columns = weight.shape
-    groups = weight.reshape(rows, columns // INT4_GROUP, INT4_GROUP)
+    groups = weight.reshape(rows, columns // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
@@ -358,12 +386,12 @@ def quantized_linear(fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor
 
 
 class Int8Embedding:
-    """The embedding table as int8 rows with a scale each; a lookup dequantizes its rows. It
-    reads the codes of an int8 lm_head, so a tied table is held once."""
+    """The embedding table as int8 rows; a lookup dequantizes its rows. It reads the codes of an
+    int8 lm_head, so a tied table is held once."""
 
     def __init__(self, table: Int8Linear, *, shared: bool):
-        self.codes, self.scale = table.codes, table.scale
+        self.table = table
         self.nbytes = 0 if shared else table.nbytes
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.codes[tokens].float() * self.scale[tokens].float().unsqueeze(-1)
+        return self.table.weight_rows(tokens.flatten()).view(*tokens.shape, self.table.in_features)

@@ -165,7 +165,7 @@ class TorchDaemon(Daemon):
                 group = TensorParallel.launch(spec, load_shard)
             shard = Shard(0, tensor_parallel) if group is not None else None
             loaded = _load_weights(path, floats, dev, quantization.format, shard)
-            quantization = _with_int4_kernel(loaded, quantization)
+            quantization = _with_cpu_kernels(loaded, quantization)
             if fast_prefill:
                 quantization = _unpack_prefill(loaded, quantization)
             return_free_memory()
@@ -431,20 +431,20 @@ def load_shard(spec: ShardSpec, rank: int) -> LlamaModel:
     return model
 
 
-def _with_int4_kernel(model: LlamaModel, quantization: Quantization) -> Quantization:
-    """The serving line's reason, naming the exact int4 kernel where the projections run on it."""
-    where = model.int4_kernel()
+def _with_cpu_kernels(model: LlamaModel, quantization: Quantization) -> Quantization:
+    """The serving line's reason, naming the node's CPU kernels where the projections run on them."""
+    where = model.cpu_kernels()
     if where is None:
         return quantization
-    return dataclasses.replace(quantization, reason=f"{quantization.reason}; exact int4 kernel on {where}")
+    return dataclasses.replace(quantization, reason=f"{quantization.reason}; node kernels on {where}")
 
 
 def _unpack_prefill(model: LlamaModel, quantization: Quantization) -> Quantization:
     """--fast-prefill on a loaded model; the serving line's reason says whether it took."""
     if model.unpack_prefill():
         return dataclasses.replace(quantization, reason=f"{quantization.reason}; fast prefill")
-    if model.int4_kernel() is not None:
-        log.info("--fast-prefill: nothing to do, the exact int4 kernel already runs prefill chunks fast")
+    if model.cpu_kernels() is not None:
+        log.info("--fast-prefill: nothing to do, the node's CPU kernels already run prefill chunks fast and exactly")
     else:
         log.warning("--fast-prefill: no int4 projection here can run unpacked; prefill stays on the int4 kernel")
     return quantization

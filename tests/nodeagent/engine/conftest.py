@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent.engine import int4_cpu
+from nodeagent.engine import cpu_kernels
 
 
 @pytest.fixture
-def torchs_int4(monkeypatch):
-    """int4 projections on torch's kernel, as where the exact kernel cannot run."""
-    monkeypatch.setenv("SUPERFLUID_INT4_KERNEL", "0")
-    int4_cpu.int4_kernel.cache_clear()
+def torchs_kernels(monkeypatch):
+    """Quantized projections on torch's kernels, as where the node's CPU kernels cannot run."""
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", "0")
+    cpu_kernels.cpu_kernels.cache_clear()
     yield
-    monkeypatch.delenv("SUPERFLUID_INT4_KERNEL")
-    int4_cpu.int4_kernel.cache_clear()
+    monkeypatch.delenv("SUPERFLUID_CPU_KERNELS")
+    cpu_kernels.cpu_kernels.cache_clear()

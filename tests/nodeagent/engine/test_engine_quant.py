@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tinymodel import TINY
 
 from nodeagent.daemon import ModelLoadError
-from nodeagent.engine import int4_cpu, quant
+from nodeagent.engine import cpu_kernels, quant
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.choices import WeightFormat
@@ -53,7 +53,7 @@ def product_error(linear, x: torch.Tensor) -> float:
 def test_a_weight_on_a_16_level_grid_per_group_comes_back_exactly_from_int4(rows, groups, seed):
     """As every GGUF Q4_1 block is: codes 0..15 spanning the group, a scale and a minimum."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (rows, groups, quant.INT4_GROUP), generator=g)
+    codes = torch.randint(0, 16, (rows, groups, quant.GROUP), generator=g)
     codes[..., 0], codes[..., 1] = 0, 15
     scale = torch.rand(rows, groups, 1, generator=g) * 0.01 + 1e-4
     low = torch.randn(rows, groups, 1, generator=g) * 0.05
@@ -98,7 +98,7 @@ needs_unpacking = pytest.mark.skipif(
 
 @needs_int4
 @needs_unpacking
-@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
+@pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 @pytest.mark.parametrize("shape", [(64, 32), (192, 96), (960, 576)])
 def test_an_unpacked_int4_weight_is_the_kernels_own_weight(shape):
     linear = quant.Int4Linear(torch.randn(*shape) * 0.05)
@@ -109,7 +109,7 @@ def test_an_unpacked_int4_weight_is_the_kernels_own_weight(shape):
 
 @needs_int4
 @needs_unpacking
-@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
+@pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 @pytest.mark.parametrize("rows", [quant.UNPACK_ROWS - 1, quant.UNPACK_ROWS, 77, 300])
 def test_long_chunks_run_unpacked_within_bf16_of_the_kernel_and_short_ones_on_it(rows):
     torch.manual_seed(rows)
@@ -125,7 +125,7 @@ def test_long_chunks_run_unpacked_within_bf16_of_the_kernel_and_short_ones_on_it
 
 @needs_int4
 @needs_unpacking
-@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
+@pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 def test_a_weight_unpacked_in_slices_is_the_whole_weight(monkeypatch):
     width = quant.int4_unpack_width()
     linear = quant.Int4Linear(torch.randn(5 * width, 96) * 0.05)
@@ -141,7 +141,7 @@ def test_a_weight_unpacked_in_slices_is_the_whole_weight(monkeypatch):
 
 @needs_int4
 @needs_unpacking
-@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
+@pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 def test_a_weight_whose_rows_do_not_fill_the_layouts_blocks_stays_on_the_kernel():
     weight, x = torch.randn(quant.int4_unpack_width() + 16, 64), torch.randn(quant.UNPACK_ROWS, 64)
     linear = quant.Int4Linear(weight)
@@ -300,7 +300,7 @@ def test_a_prefix_cache_hit_on_int4_weights_changes_no_token(int4_model):
 
 
 @needs_unpacking
-@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
+@pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 def test_fast_prefill_changes_a_long_prompts_logits_only_within_bf16():
     tensors = random_tensors(TINY, seed=11, std=0.1)
     models = [LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, CPU, WeightFormat.INT4) for _ in "ab"]
@@ -329,7 +329,7 @@ def test_a_quantized_gguf_loads_quantized_under_auto_and_names_why(tmp_path):
     chosen = choose_format(WeightFormat.AUTO, CPU, projection_bits(path))
     daemon = TorchDaemon.load(str(path), device="cpu", max_batch=1, kv_budget_mb=1)
     try:
-        assert f"{chosen.format} ({chosen.reason})" in daemon.summary()
+        assert f"{chosen.format} ({chosen.reason}" in daemon.summary()
         float_model = load_gguf(path, torch.float32, CPU)
         assert daemon.model.weight_bytes() <= float_model.weight_bytes()
     finally:
@@ -338,7 +338,7 @@ def test_a_quantized_gguf_loads_quantized_under_auto_and_names_why(tmp_path):
 
 @needs_int4
 @needs_unpacking
-@pytest.mark.usefixtures("torchs_int4")  # unpacking is for torch's kernel
+@pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 def test_the_serving_line_says_whether_fast_prefill_took(caplog):
     fast = TorchDaemon.load("builtin", device="cpu", weights="int4", fast_prefill=True, kv_budget_mb=8)
     try:
@@ -358,14 +358,14 @@ def test_an_unknown_weights_format_fails_the_load_by_name():
         TorchDaemon.load("builtin", device="cpu", weights="int3")
 
 
-def test_the_serving_line_names_the_exact_int4_kernel_and_fast_prefill_leaves_it(caplog):
-    kernel = int4_cpu.int4_kernel()
-    if kernel is None:
-        pytest.skip("no exact int4 kernel here")
+def test_the_serving_line_names_the_node_kernels_and_fast_prefill_leaves_them(caplog):
+    kernels = cpu_kernels.cpu_kernels()
+    if kernels is None:
+        pytest.skip("no node CPU kernels here")
     with caplog.at_level("INFO", logger="nodeagent.engine.torch_engine"):
         daemon = TorchDaemon.load("builtin", device="cpu", weights="int4", fast_prefill=True, kv_budget_mb=8)
     try:
-        assert f"int4 (as asked; exact int4 kernel on {kernel.name})" in daemon.summary()
-        assert "the exact int4 kernel already runs prefill chunks fast" in caplog.text
+        assert f"int4 (as asked; node kernels on {kernels.name})" in daemon.summary()
+        assert "the node's CPU kernels already run prefill chunks fast and exactly" in caplog.text
     finally:
         daemon.close()

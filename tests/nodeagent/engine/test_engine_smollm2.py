@@ -85,13 +85,15 @@ class Floor:
     near_tie: float | None
 
 
-#: int4 on the exact kernel (`int4_cpu.py`), and on torch's with its prefill unpacked
-#: (--fast-prefill) or not: these forward passes of 100+ rows all take the unpacked path.
+#: Each format on the node's CPU kernels (`cpu_kernels.py`) and on torch's, int4 on torch's
+#: with its prefill unpacked (--fast-prefill) too: these forward passes of 100+ rows all take
+#: the unpacked path.
 QUANTIZED_FLOORS = {
-    "int4 exact kernel": Floor(0.98, 1.2, 0.05),
+    "int4 node kernels": Floor(0.99, 0.05, 0.01),
+    "int8 node kernels": Floor(0.98, 1.5, None),
     "int4 torch": Floor(0.97, 2.0, 0.25),
     "int4 torch fast prefill": Floor(0.97, 2.0, 0.25),
-    "int8": Floor(0.95, 3.0, None),
+    "int8 torch": Floor(0.95, 3.0, None),
 }
 FORCED_TOKENS = 90
 
@@ -127,7 +129,7 @@ def all_logits(model, tokens):
 def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, variant, request):
     import torch
 
-    from nodeagent.engine import int4_cpu
+    from nodeagent.engine import cpu_kernels
     from nodeagent.engine.choices import WeightFormat
     from nodeagent.engine.gguf_file import load_gguf
     from nodeagent.engine.quant import kernel_speedups
@@ -135,10 +137,10 @@ def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, 
     fmt, fast_prefill = variant.split()[0], variant.endswith("fast prefill")
     if WeightFormat(fmt) not in kernel_speedups():
         pytest.skip(f"this torch has no working {fmt} CPU kernel")
-    if "exact" in variant and int4_cpu.int4_kernel() is None:
-        pytest.skip("no exact int4 kernel here")
+    if "node" in variant and cpu_kernels.cpu_kernels() is None:
+        pytest.skip("no node CPU kernels here")
     if "torch" in variant:
-        request.getfixturevalue("torchs_int4")
+        request.getfixturevalue("torchs_kernels")
     model = load_gguf(alias_path(ALIASES[ALIAS]), torch.float32, torch.device("cpu"), WeightFormat(fmt))
     if fast_prefill and not model.unpack_prefill():
         pytest.skip("no int4 projection unpacks here")

@@ -1,0 +1,202 @@
+"""The node's quantized CPU kernels (`cpu_kernels.c`), built with the system's C compiler on first use.
+
+They multiply int4 or int8 weights in groups of 32 by activations quantized per group of 32 to
+16-bit integers, in integer arithmetic: AVX-512 VNNI for calls of a few rows (decode), AMX int8
+tiles for more (prefill) where the processor has them. Every sum is exact, so the two paths give
+the same bits and a row's products never depend on the rows beside it: a prompt prefilled in one
+chunk and the same tokens decoded one by one agree to the bit. The weights are never rounded
+(each group's scale, and minimum for int4, stay fp32), and activations keep 16 bits against the
+largest of their group, where torch's weight-only kernels round them to bf16.
+
+Where the processor, the compiler or a projection's shape does not fit, `cpu_kernels` is None
+and projections run on torch's kernels; `SUPERFLUID_CPU_KERNELS=0` turns them off, and
+`SUPERFLUID_AMX=0` keeps them off the tiles. The library is cached under
+`$XDG_CACHE_HOME/superfluid` (else `~/.cache/superfluid`), named by a hash of its source and flags.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O2", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+         "-mamx-tile", "-mamx-int8"]
+#: What /proc/cpuinfo must list for the kernel's vector path, and for its tile path.
+VECTOR_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+TILE_CPU_FLAGS = {"amx_tile", "amx_int8"}
+#: Outputs the tile path takes at once; inputs per scale (a GGUF Q4 block).
+BLOCK_OUTPUTS, GROUP = 64, 32
+#: From this many rows on a call runs on the tiles: below it the vector path is faster.
+TILE_ROWS = 4
+COMPILE_TIMEOUT_S = 120
+
+
+class CpuKernels:
+    """`sf_int4_mm` and `sf_int8_mm` of the built library: fp32 rows times a quantized weight in
+    the kernels' layouts."""
+
+    def __init__(self, library: ctypes.CDLL, tiles: bool):
+        self._int4 = library.sf_int4_mm
+        self._int4.restype = ctypes.c_int
+        self._int4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+        self._int8 = library.sf_int8_mm
+        self._int8.restype = ctypes.c_int
+        self._int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        #: Whether calls of `TILE_ROWS` rows or more run on AMX tiles.
+        self.tiles = tiles
+
+    @property
+    def name(self) -> str:
+        return "AMX" if self.tiles else "AVX-512 VNNI"
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        return out_features % BLOCK_OUTPUTS == 0 and in_features % GROUP == 0
+
+    @staticmethod
+    def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+        """Codes 0..15 [n, k] in the int4 layout: for each 16 outputs and 8 inputs, 64 bytes
+        whose byte 4 i + j holds output i's code at input j (low nibble) and j + 4 (high)."""
+        n, k = codes.shape
+        quads = codes.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
+        return (quads[..., 0] | (quads[..., 1] << 4)).contiguous().view(n, k // 2)
+
+    @staticmethod
+    def unpack_int4(packed: torch.Tensor, outputs: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes [n, k] of a packed int4 weight (`pack_int4` undone), or those of the
+        `outputs` rows only."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        bytes_ = _rows_of(packed.view(n // 16, k // 8, 16, 4), outputs)
+        return torch.stack([bytes_ & 15, bytes_ >> 4], -2).reshape(-1, k)
+
+    @staticmethod
+    def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+        """Codes [n, k] int8 in the int8 layout: for each 16 outputs and 4 inputs, 64 bytes whose
+        byte 4 i + j holds output i's code at input j."""
+        n, k = codes.shape
+        return codes.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(n, k)
+
+    @staticmethod
+    def unpack_int8(packed: torch.Tensor, outputs: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes [n, k] of a packed int8 weight, or those of the `outputs` rows only."""
+        n, k = packed.shape
+        return _rows_of(packed.view(n // 16, k // 4, 16, 4), outputs).reshape(-1, k)
+
+    def int4(self, rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+             minimum: torch.Tensor) -> torch.Tensor:
+        """rows [m, k] fp32 contiguous times w = scale * code + minimum (`packed` [n, k/2], scale
+        and minimum [k/32, n] fp32), as [m, n] fp32."""
+        out = torch.empty(rows.shape[0], packed.shape[0])
+        self._check(self._int4(rows.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
+                               out.data_ptr(), *self._shape(rows, packed)))
+        return out
+
+    def int8(self, rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """rows [m, k] fp32 contiguous times w = scale * code (`packed` [n, k] int8, scale
+        [k/32, n] fp32), as [m, n] fp32."""
+        out = torch.empty(rows.shape[0], packed.shape[0])
+        self._check(self._int8(rows.data_ptr(), packed.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                               *self._shape(rows, packed)))
+        return out
+
+    def _shape(self, rows: torch.Tensor, packed: torch.Tensor) -> tuple[int, int, int, int]:
+        count, columns = rows.shape
+        return count, packed.shape[0], columns, TILE_ROWS if self.tiles else count + 1
+
+    @staticmethod
+    def _check(status: int) -> None:
+        if status:
+            raise MemoryError("the CPU kernel could not allocate its buffers")
+
+
+def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tensor:
+    """From codes blocked [n / 16, steps, 16, 4]: every output's [n, steps, 4], or the chosen ones'."""
+    if outputs is None:
+        return blocked.permute(0, 2, 1, 3).reshape(-1, *blocked.shape[1:2], 4)
+    return blocked[outputs // 16, :, outputs % 16, :]
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels | None:
+    """The kernels where this process can run them, else None (the reason is logged)."""
+    reason = _unusable()
+    if reason is None:
+        try:
+            library = ctypes.CDLL(str(_built()))
+        except subprocess.CalledProcessError as error:
+            reason = f"building it failed: {error.stderr.decode(errors='replace').strip()[-500:]}"
+        except (OSError, subprocess.SubprocessError) as error:
+            reason = f"building it failed: {error}"
+        else:
+            return CpuKernels(library, _tiles(library))
+    log.info("the node's CPU kernels are not used: %s", reason)
+    return None
+
+
+def _tiles(library: ctypes.CDLL) -> bool:
+    """Whether the tile path can run: the processor has it, it is not switched off, and Linux
+    lends this process the tile state."""
+    if os.environ.get("SUPERFLUID_AMX", "1") == "0" or TILE_CPU_FLAGS - _cpu_flags():
+        return False
+    if library.sf_amx_enable():
+        return True
+    log.info("the node's CPU kernels stay off the AMX tiles: Linux refused the tile state to this process")
+    return False
+
+
+def _unusable() -> str | None:
+    """Why the kernel cannot run here, or None."""
+    if os.environ.get("SUPERFLUID_CPU_KERNELS", "1") == "0":
+        return "SUPERFLUID_CPU_KERNELS=0"
+    missing = VECTOR_CPU_FLAGS - _cpu_flags()
+    if missing:
+        return "the processor lacks " + ", ".join(sorted(missing))
+    if _compiler() is None:
+        return "no C compiler (cc or gcc) on PATH"
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _built() -> Path:
+    """The library for this source and these flags, compiled once into the cache."""
+    compiler = _compiler()
+    assert compiler is not None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
+                           timeout=COMPILE_TIMEOUT_S)
+            built.replace(target)
+    return target
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "superfluid"

@@ -1,0 +1,158 @@
+"""The node's CPU kernels (int4 and int8 in groups of 32): their products, the same bits on the
+vector and tile paths whatever rows run beside a row, and how the node falls back where they
+cannot run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeagent.engine import cpu_kernels
+from nodeagent.engine.quant import Int4Linear, Int8Linear
+
+#: Activations keep 16 bits against their group's largest, so products stay near 2^-15.
+TOLERANCE = 2e-4
+FORMATS = [Int4Linear, Int8Linear]
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path):
+    """`cpu_kernels` worked out again, building into an empty cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_kernels.cpu_kernels.cache_clear()
+    yield
+    cpu_kernels.cpu_kernels.cache_clear()
+
+
+def _kernels_or_skip() -> cpu_kernels.CpuKernels:
+    kernels = cpu_kernels.cpu_kernels()
+    if kernels is None:
+        pytest.skip("no node CPU kernels here: " + (cpu_kernels._unusable() or "they failed to build or load"))
+    return kernels
+
+
+def _projection(kind, rows: int, columns: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    projection = kind(torch.randn(rows, columns, generator=generator) * 0.05)
+    if projection.kernels is None:
+        pytest.skip("no node CPU kernels here")
+    return projection
+
+
+def _rows(count: int, columns: int, seed: int) -> torch.Tensor:
+    """Activations with an outlier channel, as real models have."""
+    rows = torch.randn(count, columns, generator=torch.Generator().manual_seed(seed))
+    rows[:, 5] *= 40
+    return rows
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.double() - want).norm(dim=1) / want.norm(dim=1)).max())
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (192, 576), (1536, 576), (576, 1536)])
+@pytest.mark.parametrize("count", [1, 3, 4, 17, 130])
+def test_a_kernel_multiplies_by_its_weight_with_activations_kept_to_16_bits(kind, out_features, in_features, count):
+    projection = _projection(kind, out_features, in_features, seed=count)
+    rows = _rows(count, in_features, seed=1)
+    exact = rows.double() @ projection.dequantized().double().t()
+    in_bf16 = rows.to(torch.bfloat16).double() @ projection.dequantized().double().t()
+    assert _relative(projection(rows), exact) < TOLERANCE
+    assert _relative(projection(rows), exact) < _relative(in_bf16, exact) / 5
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_vector_and_tile_paths_give_the_same_bits(kind):
+    projection = _projection(kind, 1536, 576, seed=2)
+    vector_only = copy.copy(projection)
+    vector_only.kernels = copy.copy(projection.kernels)
+    vector_only.kernels.tiles = False
+    for count in (1, 2, 5, 16, 33, 100):
+        rows = _rows(count, 576, seed=count)
+        assert torch.equal(projection(rows), vector_only(rows))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(kind):
+    projection = _projection(kind, 576, 1536, seed=0)
+    rows = _rows(100, 1536, seed=3)
+    together = projection(rows)
+    for index in (0, 15, 16, 57, 99):
+        assert torch.equal(projection(rows[index : index + 1]), together[index : index + 1])
+    assert torch.equal(projection(rows[7:]), together[7:])
+    assert torch.equal(projection(rows[:3]), together[:3])
+
+
+@settings(max_examples=30, deadline=None)
+@given(tiles=st.integers(1, 4), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_packing_keeps_every_code_and_picks_rows(tiles, steps, seed):
+    generator = torch.Generator().manual_seed(seed)
+    rows, columns = 16 * tiles, 8 * steps
+    outputs = torch.randint(0, rows, (5,), generator=generator)
+    nibbles = torch.randint(0, 16, (rows, columns), generator=generator, dtype=torch.uint8)
+    packed = cpu_kernels.CpuKernels.pack_int4(nibbles)
+    assert packed.numel() == rows * columns // 2
+    assert torch.equal(cpu_kernels.CpuKernels.unpack_int4(packed), nibbles)
+    assert torch.equal(cpu_kernels.CpuKernels.unpack_int4(packed, outputs), nibbles[outputs])
+    bytes_ = torch.randint(-128, 128, (rows, columns), generator=generator, dtype=torch.int8)
+    packed = cpu_kernels.CpuKernels.pack_int8(bytes_)
+    assert torch.equal(cpu_kernels.CpuKernels.unpack_int8(packed), bytes_)
+    assert torch.equal(cpu_kernels.CpuKernels.unpack_int8(packed, outputs), bytes_[outputs])
+
+
+def test_a_q8_0_block_comes_back_exactly_from_int8():
+    _kernels_or_skip()
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(-127, 128, (64, 4, 32), generator=generator)
+    codes[..., 3] = 127
+    weight = (codes * (torch.rand(64, 4, 1, generator=generator) * 0.01)).reshape(64, 128)
+    projection = Int8Linear(weight)
+    assert projection.kernels is not None
+    assert torch.allclose(projection.dequantized(), weight, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_shape_the_kernels_cannot_block_stays_on_torchs_kernel(kind):
+    _kernels_or_skip()
+    projection = kind(torch.randn(48, 64, generator=torch.Generator().manual_seed(5)) * 0.05)
+    assert projection.kernels is None
+    rows = _rows(2, 64, seed=5)
+    exact = rows.double() @ projection.dequantized().double().t()
+    assert _relative(projection(rows), exact) < 1e-2
+
+
+def test_the_switches_turn_the_kernels_and_their_tiles_off(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", "0")
+    assert cpu_kernels.cpu_kernels() is None
+    assert Int4Linear(torch.randn(576, 576)).kernels is None
+    monkeypatch.delenv("SUPERFLUID_CPU_KERNELS")
+    monkeypatch.setenv("SUPERFLUID_AMX", "0")
+    cpu_kernels.cpu_kernels.cache_clear()
+    kernels = _kernels_or_skip()
+    assert not kernels.tiles
+    assert kernels.name == "AVX-512 VNNI"
+
+
+def test_a_compiler_that_fails_leaves_torchs_kernels_and_says_why(fresh_kernels, monkeypatch, caplog):
+    if cpu_kernels.VECTOR_CPU_FLAGS - cpu_kernels._cpu_flags():
+        pytest.skip("the processor check refuses before the compiler runs")
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level("INFO", logger="nodeagent.engine.cpu_kernels"):
+        assert cpu_kernels.cpu_kernels() is None
+    assert "building it failed" in caplog.text
+    assert Int8Linear(torch.randn(576, 576)).kernels is None
+
+
+def test_the_build_is_cached_by_source(fresh_kernels, tmp_path):
+    _kernels_or_skip()
+    built = list((tmp_path / "superfluid").glob("cpu_kernels-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_kernels.cpu_kernels.cache_clear()
+    assert cpu_kernels.cpu_kernels() is not None
+    assert built[0].stat().st_mtime_ns == stamp
