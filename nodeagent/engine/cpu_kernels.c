@@ -9,7 +9,8 @@
  * - per group and output, the codes c give D = 256 * sum(high * c) + sum(low * c) = sum(q * c)
  *   exactly in int32;
  * - the group then adds step * scale * D (int8: w = scale * c) or step * (scale * D + minimum *
- *   sum(q)) (int4: w = scale * c + minimum) to each output, one fixed order of fp32 operations.
+ *   sum(q)) (int4: w = scale * c + minimum) to each output, one fixed order of fp32 operations;
+ *   scales and minimums come in fp16, as GGUF keeps them.
  *
  * Codes come in the kernels' own layouts (`pack_int4`, `pack_int8` in cpu_kernels.py), 64 bytes
  * for each 16 outputs: int4 by 8 inputs, byte 4 i + j holding output i's code at input j (low
@@ -39,10 +40,10 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* A weight: codes, fp32 scale (and for int4 minimum) [k / GROUP][n], and its code width. */
+/* A weight: codes, fp16 scale (and for int4 minimum) [k / GROUP][n], and its code width. */
 typedef struct {
     const uint8_t *codes;
-    const float *scale, *minimum;
+    const uint16_t *scale, *minimum;
     int bits;
 } weight;
 
@@ -81,10 +82,15 @@ static void quantize_row(const float *x, int k_all, int8_t *high, int8_t *low, f
 }
 
 /* acc + this group's share for 16 outputs, from D = sum(q * c) (exact). */
-static inline __m512 finish_group(__m512 acc, __m512i d, __m512 scale, const float *minimum, float step, float total) {
+static inline __m512 halves(const uint16_t *at) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+}
+
+static inline __m512 finish_group(__m512 acc, __m512i d, __m512 scale, const uint16_t *minimum, float step,
+                                  float total) {
     __m512 t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(d));
     if (minimum != NULL)
-        t = _mm512_fmadd_ps(_mm512_loadu_ps(minimum), _mm512_set1_ps(total), t);
+        t = _mm512_fmadd_ps(halves(minimum), _mm512_set1_ps(total), t);
     return _mm512_fmadd_ps(_mm512_set1_ps(step), t, acc);
 }
 
@@ -123,8 +129,8 @@ static inline __attribute__((always_inline)) void vector_tile(const activations 
                 ls[r] = _mm512_dpbusd_epi32(ls[r], quads[p], _mm512_set1_epi32(l[p]));
             }
         }
-        __m512 s = _mm512_loadu_ps(w->scale + (size_t)g * n + 16 * t);
-        const float *minimum = w->minimum == NULL ? NULL : w->minimum + (size_t)g * n + 16 * t;
+        __m512 s = halves(w->scale + (size_t)g * n + 16 * t);
+        const uint16_t *minimum = w->minimum == NULL ? NULL : w->minimum + (size_t)g * n + 16 * t;
         for (int r = 0; r < rows; r++) {
             size_t at = (size_t)(r0 + r) * groups + g;
             __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hs[r], 8), ls[r]);
@@ -219,7 +225,7 @@ static void tile_groups(const activations *a, const weight *w, const uint8_t *ti
             tile_sums(b + 2 * tile_stride, b + 3 * tile_stride, UNIT, sums[1]);
             __m512 sc[4];
             for (int t = 0; t < 4; t++)
-                sc[t] = _mm512_loadu_ps(w->scale + (size_t)g * n + 16 * t);
+                sc[t] = halves(w->scale + (size_t)g * n + 16 * t);
             for (int r = 0; r < rows; r++) {
                 size_t at = (size_t)(m0 + r) * all_groups + g;
                 float *out = acc + (size_t)(m0 + r) * BLOCK;
@@ -227,7 +233,7 @@ static void tile_groups(const activations *a, const weight *w, const uint8_t *ti
                     const int32_t *part = sums[t / 2] + r * 64 + (t % 2) * 32;
                     __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part), 8),
                                                  _mm512_load_si512(part + 16));
-                    const float *minimum = w->minimum == NULL ? NULL : w->minimum + (size_t)g * n + 16 * t;
+                    const uint16_t *minimum = w->minimum == NULL ? NULL : w->minimum + (size_t)g * n + 16 * t;
                     __m512 prior = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out + 16 * t);
                     _mm512_store_ps(out + 16 * t, finish_group(prior, d, sc[t], minimum, a->step[at], a->total[at]));
                 }
@@ -307,16 +313,16 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
 }
 
 /* y[m, n] = x[m, k_all] @ W.T in fp32, w = scale * code + minimum with codes 0..15 and scale and
- * minimum [k_all / 32, n]. Calls of `tile_rows` rows or more take the tile path (pass more rows
+ * minimum [k_all / 32, n] in fp16 (as GGUF keeps them). Calls of `tile_rows` rows or more take the tile path (pass more rows
  * than any call has where the process has no tiles). Returns -1 where memory ran out. */
-int sf_int4_mm(const float *x, const uint8_t *codes, const float *scale, const float *minimum, float *y,
+int sf_int4_mm(const float *x, const uint8_t *codes, const uint16_t *scale, const uint16_t *minimum, float *y,
                int m, int n, int k_all, int tile_rows) {
     weight w = {codes, scale, minimum, 4};
     return product(x, &w, y, m, n, k_all, tile_rows);
 }
 
 /* The same for int8: w = scale * code, codes -128..127. */
-int sf_int8_mm(const float *x, const int8_t *codes, const float *scale, float *y, int m, int n, int k_all,
+int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scale, float *y, int m, int n, int k_all,
                int tile_rows) {
     weight w = {(const uint8_t *)codes, scale, NULL, 8};
     return product(x, &w, y, m, n, k_all, tile_rows);

@@ -5,7 +5,7 @@ They multiply int4 or int8 weights in groups of 32 by activations quantized per 
 tiles for more (prefill) where the processor has them. Every sum is exact, so the two paths give
 the same bits and a row's products never depend on the rows beside it: a prompt prefilled in one
 chunk and the same tokens decoded one by one agree to the bit. The weights are never rounded
-(each group's scale, and minimum for int4, stay fp32), and activations keep 16 bits against the
+(each group's scale, and minimum for int4, are fp16 as in a GGUF file), and activations keep 16 bits against the
 largest of their group, where torch's weight-only kernels round them to bf16.
 
 Where the processor, the compiler or a projection's shape does not fit, `cpu_kernels` is None
@@ -38,6 +38,8 @@ VECTOR_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 TILE_CPU_FLAGS = {"amx_tile", "amx_int8"}
 #: Outputs the tile path takes at once; inputs per scale (a GGUF Q4 block).
 BLOCK_OUTPUTS, GROUP = 64, 32
+#: The scales' type: a GGUF block's, so a Q4_0, Q4_1 or Q8_0 file's weights stay exact.
+SCALE_DTYPE = torch.float16
 #: From this many rows on a call runs on the tiles: below it the vector path is faster.
 TILE_ROWS = 4
 COMPILE_TIMEOUT_S = 120
@@ -97,7 +99,7 @@ class CpuKernels:
     def int4(self, rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
              minimum: torch.Tensor) -> torch.Tensor:
         """rows [m, k] fp32 contiguous times w = scale * code + minimum (`packed` [n, k/2], scale
-        and minimum [k/32, n] fp32), as [m, n] fp32."""
+        and minimum [k/32, n] fp16), as [m, n] fp32."""
         out = torch.empty(rows.shape[0], packed.shape[0])
         self._check(self._int4(rows.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
                                out.data_ptr(), *self._shape(rows, packed)))
@@ -105,7 +107,7 @@ class CpuKernels:
 
     def int8(self, rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """rows [m, k] fp32 contiguous times w = scale * code (`packed` [n, k] int8, scale
-        [k/32, n] fp32), as [m, n] fp32."""
+        [k/32, n] fp16), as [m, n] fp32."""
         out = torch.empty(rows.shape[0], packed.shape[0])
         self._check(self._int8(rows.data_ptr(), packed.data_ptr(), scale.data_ptr(), out.data_ptr(),
                                *self._shape(rows, packed)))

@@ -152,7 +152,7 @@ class Int8Linear:
             )
         self.kernels = _node_kernels(weight)
         if self.kernels is not None:
-            codes, scale = int8_groups(weight.float())
+            codes, scale = int8_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
             self.codes, self.scale = self.kernels.pack_int8(codes), scale.t().contiguous()
         else:
             self.codes, scale = int8_rows(weight.float())
@@ -173,7 +173,7 @@ class Int8Linear:
         if self.kernels is None:
             return self.codes[outputs].float() * self.scale[outputs].float().unsqueeze(-1)
         codes = self.kernels.unpack_int8(self.codes, outputs).float().view(len(outputs), -1, GROUP)
-        return (codes * self.scale.t()[outputs].unsqueeze(-1)).view(len(outputs), self.in_features)
+        return (codes * self.scale.t()[outputs].float().unsqueeze(-1)).view(len(outputs), self.in_features)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight_rows(torch.arange(self.out_features))
@@ -220,13 +220,14 @@ class Int4Linear:
                 f"an int4 weight needs rows a multiple of {INT4_ROW_TILE} and columns of {GROUP}; "
                 f"got {list(weight.shape)}"
             )
-        codes, scale, minimum = int4_groups(weight.float())
         self.kernels = _node_kernels(weight)
         if self.kernels is not None:
+            codes, scale, minimum = int4_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
             self.packed = self.kernels.pack_int4(codes)
             self.scale, self.minimum = scale.t().contiguous(), minimum.t().contiguous()
-            scale_bytes = self.scale.numel() * 8
+            scale_bytes = _bytes(self.scale) + _bytes(self.minimum)
         else:
+            codes, scale, minimum = int4_groups(weight.float())
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
             # torch's layout: [groups, rows, (scale, zero)], w = (code - 8) * scale + zero.
             pairs = torch.stack([scale, minimum + 8 * scale], -1).transpose(0, 1)
@@ -298,7 +299,7 @@ class Int4Linear:
         through torch's kernel."""
         if self.kernels is not None:
             codes = self.kernels.unpack_int4(self.packed).float().view(self.out_features, -1, GROUP)
-            weight = codes * self.scale.t()[..., None] + self.minimum.t()[..., None]
+            weight = codes * self.scale.t().float()[..., None] + self.minimum.t().float()[..., None]
             return weight.view(self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros)
@@ -347,32 +348,41 @@ def int4_fits(shape: torch.Size | tuple[int, ...]) -> bool:
     return rows % INT4_ROW_TILE == 0 and columns % GROUP == 0
 
 
-def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_groups(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes [rows, columns] and a scale per group of 32 along each row [rows,
-    groups]: w ≈ code * scale. A group whose largest code is ±127, as in a GGUF Q8_0 block,
-    comes back exactly."""
+    groups] in `scale_dtype`: w ≈ code * scale. A group whose largest code is ±127, as in a GGUF
+    Q8_0 block, comes back exactly."""
     rows, columns = weight.shape
-    codes, scale = int8_rows(weight.reshape(-1, GROUP))
+    codes, scale = int8_rows(weight.reshape(-1, GROUP), scale_dtype)
     return codes.view(rows, columns), scale.view(rows, columns // GROUP)
 
 
-def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes [rows, columns] and a scale per row: w ≈ code * scale."""
-    scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+def int8_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [rows, columns] and a scale per row in `scale_dtype`: w ≈ code * scale."""
+    scale = _representable(weight.abs().amax(dim=1) / 127, scale_dtype)
+    codes = torch.round(weight / scale[:, None].float()).clamp(-127, 127).to(torch.int8)
     return codes, scale
 
 
-def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_groups(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes 0..15 [rows, columns] with a scale and a minimum per group of 32 along each row
-    [rows, groups]: w ≈ code * scale + minimum. A group that spans the 16 codes, as every
-    GGUF Q4_1 block does, comes back exactly."""
+    [rows, groups] in `scale_dtype`: w ≈ code * scale + minimum. A group that spans the 16
+    codes, as every GGUF Q4_1 block does, comes back exactly."""
     rows, columns = weight.shape
     groups = weight.reshape(rows, columns // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    scale, low = _representable((high - low) / 15, scale_dtype), low.to(scale_dtype)
+    codes = torch.round((groups - low[..., None].float()) / scale[..., None].float()).clamp(0, 15).to(torch.uint8)
     return codes.reshape(rows, columns), scale, low
+
+
+def _representable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scales in `dtype`, none of them zero: at least the type's smallest positive value (only a
+    group of equal weights comes that low, and its codes are then all the same)."""
+    info = torch.finfo(dtype)
+    return scale.to(dtype).clamp(min=info.smallest_normal * info.eps)
 
 
 def quantized_linear(fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -110,10 +110,11 @@ def test_a_q8_0_block_comes_back_exactly_from_int8():
     generator = torch.Generator().manual_seed(7)
     codes = torch.randint(-127, 128, (64, 4, 32), generator=generator)
     codes[..., 3] = 127
-    weight = (codes * (torch.rand(64, 4, 1, generator=generator) * 0.01)).reshape(64, 128)
+    scale = (torch.rand(64, 4, 1, generator=generator) * 0.01).half().float()  # fp16, as a block's
+    weight = (codes * scale).reshape(64, 128)
     projection = Int8Linear(weight)
     assert projection.kernels is not None
-    assert torch.allclose(projection.dequantized(), weight, rtol=1e-6, atol=0)
+    assert torch.equal(projection.dequantized(), weight)
 
 
 @pytest.mark.parametrize("kind", FORMATS)
