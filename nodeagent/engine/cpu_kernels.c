@@ -5,9 +5,9 @@
  * Every sum is an exact integer, so both paths give the same bits and a row's products never
  * depend on the rows beside it (decode and a prefill of the same tokens agree to the bit):
  * - each group of 32 activations a becomes q = round(a / step), step = max|a| / QMAX, split as
- *   q = 256 * high + low with both in int8;
- * - per group and output, the codes c give D = 256 * sum(high * c) + sum(low * c) = sum(q * c)
- *   exactly in int32;
+ *   q = 16 * high + low with both in int8 (12 bits in all);
+ * - per group and output, the codes c give D = 16 * sum(high * c) + sum(low * c) = sum(q * c)
+ *   exactly in int32 (int4 on the tiles: one product of [high, low] by [16 c, c]);
  * - the group then adds step * scale * D (int8: w = scale * c) or step * (scale * D + minimum *
  *   sum(q)) (int4: w = scale * c + minimum) to each output, one fixed order of fp32 operations;
  *   scales and minimums come in fp16, as GGUF keeps them.
@@ -15,6 +15,8 @@
  * Codes come in the kernels' own layouts (`pack_int4`, `pack_int8` in cpu_kernels.py), 64 bytes
  * for each 16 outputs: int4 by 8 inputs, byte 4 i + j holding output i's code at input j (low
  * nibble) and j + 4 (high); int8 by 4 inputs, byte 4 i + j holding output i's code at input j.
+ * Scales too (`pack_scales`): each 16 outputs' scales group after group, so that one row's
+ * product reads its weight in two streams.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -29,9 +31,11 @@
 #define QUADS (GROUP / 4)      /* 4-input steps of a group: one VNNI lane, one tile row */
 #define UNIT 64                /* bytes of codes for 16 outputs: 8 inputs of int4, 4 of int8 */
 #define TILE_BYTES (QUADS * UNIT)  /* a group of 16 outputs as int8 codes: one B tile */
+#define INT4_TILE_BYTES (2 * TILE_BYTES)  /* the same for int4 codes: 16 c over c, one B tile */
 #define BLOCK 64               /* outputs the tile path takes at once: four column tiles */
 #define CHUNK 8                /* groups the int4 tile path unpacks at a time */
-#define QMAX 32639.0f          /* |q| whose high byte still fits int8 */
+#define SPLIT 16               /* q = SPLIT * high + low */
+#define QMAX 2039.0f           /* |q| whose high byte still fits int8: 127 * 16 + 7 */
 #define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
 
 typedef struct {
@@ -40,17 +44,27 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* A weight: codes, fp16 scale (and for int4 minimum) [k / GROUP][n], and its code width. */
+/* A weight: codes, fp16 scales and its code width. For each 16 outputs (a column tile) the scales
+ * run group by group, 16 scales and for int4 then 16 minimums: a tile's scales are one stream. */
 typedef struct {
     const uint8_t *codes;
-    const uint16_t *scale, *minimum;
+    const uint16_t *scales;
     int bits;
 } weight;
 
-/* The activations quantized per group: the int8 halves [m][k] of q, and per [m][k / GROUP] the
- * step and sum(q). */
+/* fp16 values a group holds for each 16 outputs: scale, and for int4 minimum. */
+static inline int parts(const weight *w) {
+    return w->bits == 4 ? 2 : 1;
+}
+
+static inline const uint16_t *group_scales(const weight *w, int t, int groups, int g) {
+    return w->scales + ((size_t)t * groups + g) * parts(w) * 16;
+}
+
+/* The activations quantized per group: for each row and group 64 bytes, the 32 highs of q then
+ * the 32 lows ([m][2 k]), and per [m][k / GROUP] the step and sum(q). */
 typedef struct {
-    int8_t *high, *low;
+    int8_t *halves;
     float *step, *total;
 } activations;
 
@@ -63,34 +77,35 @@ static size_t column_tile_bytes(int bits, int k_all) {
     return (size_t)k_all * 16 * bits / 8;
 }
 
-static void quantize_row(const float *x, int k_all, int8_t *high, int8_t *low, float *step, float *total) {
-    const __m512i half = _mm512_set1_epi32(128);
+static void quantize_row(const float *x, int k_all, int8_t *halves, float *step, float *total) {
+    const __m512i half = _mm512_set1_epi32(SPLIT / 2);
     for (int g = 0; g < k_all / GROUP; g++) {
         __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
         float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         __m512 scale = _mm512_set1_ps(peak > 0 ? QMAX / peak : 0);
         __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scale));
-        __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, half), 8), hb = _mm512_srai_epi32(_mm512_add_epi32(qb, half), 8);
-        __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 8)), lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 8));
-        _mm_storeu_si128((__m128i *)(high + g * GROUP), _mm512_cvtepi32_epi8(ha));
-        _mm_storeu_si128((__m128i *)(high + g * GROUP + 16), _mm512_cvtepi32_epi8(hb));
-        _mm_storeu_si128((__m128i *)(low + g * GROUP), _mm512_cvtepi32_epi8(la));
-        _mm_storeu_si128((__m128i *)(low + g * GROUP + 16), _mm512_cvtepi32_epi8(lb));
+        __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, half), 4), hb = _mm512_srai_epi32(_mm512_add_epi32(qb, half), 4);
+        __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 4)), lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 4));
+        int8_t *at = halves + 2 * g * GROUP;
+        _mm_storeu_si128((__m128i *)at, _mm512_cvtepi32_epi8(ha));
+        _mm_storeu_si128((__m128i *)(at + 16), _mm512_cvtepi32_epi8(hb));
+        _mm_storeu_si128((__m128i *)(at + GROUP), _mm512_cvtepi32_epi8(la));
+        _mm_storeu_si128((__m128i *)(at + GROUP + 16), _mm512_cvtepi32_epi8(lb));
         step[g] = peak / QMAX;
         total[g] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
 }
 
-/* acc + this group's share for 16 outputs, from D = sum(q * c) (exact). */
 static inline __m512 halves(const uint16_t *at) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
 }
 
-static inline __m512 finish_group(__m512 acc, __m512i d, __m512 scale, const uint16_t *minimum, float step,
+/* acc + this group's share for 16 outputs, from D = sum(q * c) (exact); `scales` as in `weight`. */
+static inline __m512 finish_group(__m512 acc, __m512i d, const uint16_t *scales, int bits, float step,
                                   float total) {
-    __m512 t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(d));
-    if (minimum != NULL)
-        t = _mm512_fmadd_ps(halves(minimum), _mm512_set1_ps(total), t);
+    __m512 t = _mm512_mul_ps(halves(scales), _mm512_cvtepi32_ps(d));
+    if (bits == 4)
+        t = _mm512_fmadd_ps(halves(scales + 16), _mm512_set1_ps(total), t);
     return _mm512_fmadd_ps(_mm512_set1_ps(step), t, acc);
 }
 
@@ -121,22 +136,21 @@ static inline __attribute__((always_inline)) void vector_tile(const activations 
         __m512i quads[QUADS], hs[VECTOR_ROWS], ls[VECTOR_ROWS];
         group_quads(codes + (size_t)g * GROUP * w->bits * 2, w->bits, quads);
         for (int r = 0; r < rows; r++) {
-            const int32_t *h = (const int32_t *)(a->high + (size_t)(r0 + r) * k_all + g * GROUP);
-            const int32_t *l = (const int32_t *)(a->low + (size_t)(r0 + r) * k_all + g * GROUP);
+            const int32_t *h = (const int32_t *)(a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP));
+            const int32_t *l = h + QUADS;
             hs[r] = ls[r] = _mm512_setzero_si512();
             for (int p = 0; p < QUADS; p++) {
                 hs[r] = _mm512_dpbusd_epi32(hs[r], quads[p], _mm512_set1_epi32(h[p]));
                 ls[r] = _mm512_dpbusd_epi32(ls[r], quads[p], _mm512_set1_epi32(l[p]));
             }
         }
-        __m512 s = halves(w->scale + (size_t)g * n + 16 * t);
-        const uint16_t *minimum = w->minimum == NULL ? NULL : w->minimum + (size_t)g * n + 16 * t;
+        const uint16_t *scales = group_scales(w, t, groups, g);
         for (int r = 0; r < rows; r++) {
             size_t at = (size_t)(r0 + r) * groups + g;
-            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hs[r], 8), ls[r]);
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hs[r], 4), ls[r]);
             if (w->bits == 8)  /* the codes were shifted by 128: take 128 * sum(q) back off */
                 d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (int32_t)a->total[at]));
-            acc[r] = finish_group(acc[r], d, s, minimum, a->step[at], a->total[at]);
+            acc[r] = finish_group(acc[r], d, scales, w->bits, a->step[at], a->total[at]);
         }
     }
     for (int r = 0; r < rows; r++)
@@ -148,55 +162,82 @@ static void vector_rows(const activations *a, const weight *w, int t, float *y, 
         int rows = m - r0 < VECTOR_ROWS ? m - r0 : VECTOR_ROWS;
         if (w->bits == 4) {
             switch (rows) {
-            case 1: vector_tile(a, &(weight){w->codes, w->scale, w->minimum, 4}, t, y, r0, 1, n, k_all); break;
-            case 2: vector_tile(a, &(weight){w->codes, w->scale, w->minimum, 4}, t, y, r0, 2, n, k_all); break;
-            case 3: vector_tile(a, &(weight){w->codes, w->scale, w->minimum, 4}, t, y, r0, 3, n, k_all); break;
-            default: vector_tile(a, &(weight){w->codes, w->scale, w->minimum, 4}, t, y, r0, 4, n, k_all);
+            case 1: vector_tile(a, &(weight){w->codes, w->scales, 4}, t, y, r0, 1, n, k_all); break;
+            case 2: vector_tile(a, &(weight){w->codes, w->scales, 4}, t, y, r0, 2, n, k_all); break;
+            case 3: vector_tile(a, &(weight){w->codes, w->scales, 4}, t, y, r0, 3, n, k_all); break;
+            default: vector_tile(a, &(weight){w->codes, w->scales, 4}, t, y, r0, 4, n, k_all);
             }
         } else {
             switch (rows) {
-            case 1: vector_tile(a, &(weight){w->codes, w->scale, NULL, 8}, t, y, r0, 1, n, k_all); break;
-            case 2: vector_tile(a, &(weight){w->codes, w->scale, NULL, 8}, t, y, r0, 2, n, k_all); break;
-            case 3: vector_tile(a, &(weight){w->codes, w->scale, NULL, 8}, t, y, r0, 3, n, k_all); break;
-            default: vector_tile(a, &(weight){w->codes, w->scale, NULL, 8}, t, y, r0, 4, n, k_all);
+            case 1: vector_tile(a, &(weight){w->codes, w->scales, 8}, t, y, r0, 1, n, k_all); break;
+            case 2: vector_tile(a, &(weight){w->codes, w->scales, 8}, t, y, r0, 2, n, k_all); break;
+            case 3: vector_tile(a, &(weight){w->codes, w->scales, 8}, t, y, r0, 3, n, k_all); break;
+            default: vector_tile(a, &(weight){w->codes, w->scales, 8}, t, y, r0, 4, n, k_all);
             }
         }
     }
 }
 
-/* Tiles 0-3 sum a group's high and low products for two column tiles of `rows` rows, 4 and 5
- * hold the activations' halves (32 inputs), 6 and 7 the codes (8 rows of 4 inputs by 16 outputs). */
-static void configure(int rows) {
+/* Tiles 0-3 hold sums for `rows` rows and 16 outputs each, tile 4 the activations. int4: tile 4
+ * is a group's highs and lows (64 inputs), 5-7 the codes as [16 c, c] (16 rows of 4 inputs by 16
+ * outputs), and the sums are D for four column tiles. int8: tile 4 holds the highs, 5 the lows,
+ * 6 and 7 the codes (8 rows), and the sums are the highs' and the lows' for two column tiles. */
+static void configure(int rows, int bits) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = t == 4 || t == 5 ? GROUP : 64;
-        cfg.rows[t] = t < 6 ? rows : QUADS;
+        int activations = bits == 4 ? t == 4 : t == 4 || t == 5;
+        cfg.colsb[t] = activations && bits == 8 ? GROUP : 64;
+        cfg.rows[t] = t < 4 || activations ? rows : bits == 4 ? 2 * QUADS : QUADS;
     }
     _tile_loadconfig(&cfg);
 }
 
-/* `groups` groups from `g0` of a block's four column tiles of int4 codes as int8 B tiles
- * [group][column tile][TILE_BYTES]. */
+/* `groups` groups from `g0` of a block's four column tiles of int4 codes as B tiles
+ * [group][column tile][INT4_TILE_BYTES]: 16 c for the highs' 32 inputs, then c for the lows'. */
 static void unpack_int4(const uint8_t *codes, size_t tile_stride, int g0, int groups, uint8_t *tiles) {
+    const __m512i nibble = _mm512_set1_epi8(15), upper = _mm512_set1_epi8((char)0xF0);
     for (int g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) {
-            __m512i quads[QUADS];
-            group_quads(codes + t * tile_stride + (size_t)(g0 + g) * GROUP * 8, 4, quads);
-            for (int p = 0; p < QUADS; p++)
-                _mm512_store_si512(tiles + ((size_t)g * 4 + t) * TILE_BYTES + p * UNIT, quads[p]);
+            const uint8_t *from = codes + t * tile_stride + (size_t)(g0 + g) * GROUP * 8;
+            uint8_t *tile = tiles + ((size_t)g * 4 + t) * INT4_TILE_BYTES;
+            for (int o = 0; o < QUADS / 2; o++) {
+                __m512i v = _mm512_loadu_si512(from + o * UNIT);
+                _mm512_store_si512(tile + 2 * o * UNIT, _mm512_and_si512(_mm512_slli_epi16(v, 4), upper));
+                _mm512_store_si512(tile + (2 * o + 1) * UNIT, _mm512_and_si512(v, upper));
+                _mm512_store_si512(tile + TILE_BYTES + 2 * o * UNIT, _mm512_and_si512(v, nibble));
+                _mm512_store_si512(tile + TILE_BYTES + (2 * o + 1) * UNIT,
+                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+            }
         }
 }
 
-/* One group's sums for two column tiles (B tiles at b0, b1) into `sums` [rows][4][16] int32:
- * high and low of the first, high and low of the second. */
-static void tile_sums(const uint8_t *b0, const uint8_t *b1, int stride, int32_t *sums) {
+/* One int4 group's D for four column tiles (B tiles at b, b + stride...) into `sums` [rows][64]. */
+static void int4_sums(const uint8_t *b, size_t stride, int32_t *sums) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    _tile_loadd(6, b0, stride);
+    _tile_loadd(5, b, UNIT);
+    _tile_dpbsud(0, 4, 5);
+    _tile_loadd(6, b + stride, UNIT);
+    _tile_dpbsud(1, 4, 6);
+    _tile_loadd(7, b + 2 * stride, UNIT);
+    _tile_dpbsud(2, 4, 7);
+    _tile_loadd(5, b + 3 * stride, UNIT);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(0, sums, 256);
+    _tile_stored(1, sums + 16, 256);
+    _tile_stored(2, sums + 32, 256);
+    _tile_stored(3, sums + 48, 256);
+}
+
+/* One int8 group's sums for two column tiles (B tiles at b0, b1) into `sums` [rows][4][16]:
+ * highs and lows of the first, highs and lows of the second. */
+static void int8_sums(const uint8_t *b0, const uint8_t *b1, int32_t *sums) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(6, b0, UNIT);
     _tile_dpbssd(0, 4, 6);
     _tile_dpbssd(1, 5, 6);
-    _tile_loadd(7, b1, stride);
+    _tile_loadd(7, b1, UNIT);
     _tile_dpbssd(2, 4, 7);
     _tile_dpbssd(3, 5, 7);
     _tile_stored(0, sums, 256);
@@ -205,37 +246,46 @@ static void tile_sums(const uint8_t *b0, const uint8_t *b1, int stride, int32_t 
     _tile_stored(3, sums + 48, 256);
 }
 
+/* Row r's D for column tile t from the sums a group left. */
+static inline __m512i tile_d(int32_t (*sums)[16 * 64], int bits, int r, int t) {
+    if (bits == 4)
+        return _mm512_load_si512(sums[0] + r * 64 + 16 * t);
+    const int32_t *part = sums[t / 2] + r * 64 + (t % 2) * 32;
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part), 4), _mm512_load_si512(part + 16));
+}
+
 /* Groups g0..g0+groups of one block for every row, adding into acc [m][BLOCK]. The B tile of
  * group g0 + i and column tile t is at tiles + i * group_stride + t * tile_stride. */
 static void tile_groups(const activations *a, const weight *w, const uint8_t *tiles, size_t group_stride,
-                        size_t tile_stride, float *acc, int m, int n, int k_all, int g0, int groups, int *configured) {
+                        size_t tile_stride, float *acc, int m, int k_all, int g0, int groups, int *configured) {
     int32_t sums[2][16 * 64] __attribute__((aligned(64)));
     int all_groups = k_all / GROUP;
     for (int m0 = 0; m0 < m; m0 += 16) {
         int rows = m - m0 < 16 ? m - m0 : 16;
         if (rows != *configured) {
-            configure(rows);
+            configure(rows, w->bits);
             *configured = rows;
         }
         for (int g = g0; g < g0 + groups; g++) {
             const uint8_t *b = tiles + (g - g0) * group_stride;
-            _tile_loadd(4, a->high + (size_t)m0 * k_all + g * GROUP, k_all);
-            _tile_loadd(5, a->low + (size_t)m0 * k_all + g * GROUP, k_all);
-            tile_sums(b, b + tile_stride, UNIT, sums[0]);
-            tile_sums(b + 2 * tile_stride, b + 3 * tile_stride, UNIT, sums[1]);
-            __m512 sc[4];
-            for (int t = 0; t < 4; t++)
-                sc[t] = halves(w->scale + (size_t)g * n + 16 * t);
+            const int8_t *halves = a->halves + 2 * ((size_t)m0 * k_all + g * GROUP);
+            if (w->bits == 4) {
+                _tile_loadd(4, halves, 2 * k_all);
+                int4_sums(b, tile_stride, sums[0]);
+            } else {
+                _tile_loadd(4, halves, 2 * k_all);
+                _tile_loadd(5, halves + GROUP, 2 * k_all);
+                int8_sums(b, b + tile_stride, sums[0]);
+                int8_sums(b + 2 * tile_stride, b + 3 * tile_stride, sums[1]);
+            }
             for (int r = 0; r < rows; r++) {
                 size_t at = (size_t)(m0 + r) * all_groups + g;
                 float *out = acc + (size_t)(m0 + r) * BLOCK;
                 for (int t = 0; t < 4; t++) {
-                    const int32_t *part = sums[t / 2] + r * 64 + (t % 2) * 32;
-                    __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part), 8),
-                                                 _mm512_load_si512(part + 16));
-                    const uint16_t *minimum = w->minimum == NULL ? NULL : w->minimum + (size_t)g * n + 16 * t;
                     __m512 prior = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out + 16 * t);
-                    _mm512_store_ps(out + 16 * t, finish_group(prior, d, sc[t], minimum, a->step[at], a->total[at]));
+                    _mm512_store_ps(out + 16 * t, finish_group(prior, tile_d(sums, w->bits, r, t),
+                                                               group_scales(w, t, all_groups, g), w->bits,
+                                                               a->step[at], a->total[at]));
                 }
             }
         }
@@ -257,7 +307,7 @@ static uint8_t *scratch(size_t bytes) {
 
 /* One block of BLOCK outputs (weight `w` already offset to it) for every row, into y. */
 static int tile_block(const activations *a, const weight *w, float *y, int m, int n, int k_all, int *configured) {
-    size_t unpacked = w->bits == 4 ? (size_t)CHUNK * 4 * TILE_BYTES : 0;
+    size_t unpacked = w->bits == 4 ? (size_t)CHUNK * 4 * INT4_TILE_BYTES : 0;
     uint8_t *buffer = scratch(unpacked + (size_t)m * BLOCK * 4);
     if (buffer == NULL)
         return -1;
@@ -268,10 +318,10 @@ static int tile_block(const activations *a, const weight *w, float *y, int m, in
         for (int g0 = 0; g0 < groups; g0 += CHUNK) {
             int count = groups - g0 < CHUNK ? groups - g0 : CHUNK;
             unpack_int4(w->codes, tile_stride, g0, count, buffer);
-            tile_groups(a, w, buffer, 4 * TILE_BYTES, TILE_BYTES, acc, m, n, k_all, g0, count, configured);
+            tile_groups(a, w, buffer, 4 * INT4_TILE_BYTES, INT4_TILE_BYTES, acc, m, k_all, g0, count, configured);
         }
     } else {  /* int8 codes are B tiles as they lie */
-        tile_groups(a, w, w->codes, TILE_BYTES, tile_stride, acc, m, n, k_all, 0, groups, configured);
+        tile_groups(a, w, w->codes, TILE_BYTES, tile_stride, acc, m, k_all, 0, groups, configured);
     }
     for (int r = 0; r < m; r++)
         memcpy(y + (size_t)r * n, acc + (size_t)r * BLOCK, BLOCK * 4);
@@ -280,18 +330,17 @@ static int tile_block(const activations *a, const weight *w, float *y, int m, in
 
 static int product(const float *x, const weight *w, float *y, int m, int n, int k_all, int tile_rows) {
     int groups = k_all / GROUP, failed = 0;
-    activations a = {malloc((size_t)m * k_all), malloc((size_t)m * k_all), malloc((size_t)m * groups * 4),
-                     malloc((size_t)m * groups * 4)};
-    if (a.high == NULL || a.low == NULL || a.step == NULL || a.total == NULL) {
-        free(a.high), free(a.low), free(a.step), free(a.total);
+    activations a = {malloc((size_t)m * k_all * 2), malloc((size_t)m * groups * 4), malloc((size_t)m * groups * 4)};
+    if (a.halves == NULL || a.step == NULL || a.total == NULL) {
+        free(a.halves), free(a.step), free(a.total);
         return -1;
     }
 #pragma omp parallel reduction(|| : failed)
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
-            quantize_row(x + (size_t)r * k_all, k_all, a.high + (size_t)r * k_all, a.low + (size_t)r * k_all,
-                         a.step + (size_t)r * groups, a.total + (size_t)r * groups);
+            quantize_row(x + (size_t)r * k_all, k_all, a.halves + (size_t)r * k_all * 2, a.step + (size_t)r * groups,
+                         a.total + (size_t)r * groups);
         if (m < tile_rows) {
 #pragma omp for schedule(static)
             for (int t = 0; t < n / 16; t++)
@@ -301,29 +350,28 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
             size_t block_stride = 4 * column_tile_bytes(w->bits, k_all);
 #pragma omp for schedule(static)
             for (int nb = 0; nb < n / BLOCK; nb++) {
-                weight block = {w->codes + nb * block_stride, w->scale + nb * BLOCK,
-                                w->minimum == NULL ? NULL : w->minimum + nb * BLOCK, w->bits};
+                weight block = {w->codes + nb * block_stride, group_scales(w, 4 * nb, groups, 0), w->bits};
                 if (!failed)
                     failed = tile_block(&a, &block, y + nb * BLOCK, m, n, k_all, &configured) != 0;
             }
         }
     }
-    free(a.high), free(a.low), free(a.step), free(a.total);
+    free(a.halves), free(a.step), free(a.total);
     return failed ? -1 : 0;
 }
 
-/* y[m, n] = x[m, k_all] @ W.T in fp32, w = scale * code + minimum with codes 0..15 and scale and
- * minimum [k_all / 32, n] in fp16 (as GGUF keeps them). Calls of `tile_rows` rows or more take the tile path (pass more rows
- * than any call has where the process has no tiles). Returns -1 where memory ran out. */
-int sf_int4_mm(const float *x, const uint8_t *codes, const uint16_t *scale, const uint16_t *minimum, float *y,
-               int m, int n, int k_all, int tile_rows) {
-    weight w = {codes, scale, minimum, 4};
+/* y[m, n] = x[m, k_all] @ W.T in fp32, w = scale * code + minimum with codes 0..15, the scales laid
+ * out as `weight` says. Calls of `tile_rows` rows or more take the tile path (pass more rows than
+ * any call has where the process has no tiles). Returns -1 where memory ran out. */
+int sf_int4_mm(const float *x, const uint8_t *codes, const uint16_t *scales, float *y, int m, int n, int k_all,
+               int tile_rows) {
+    weight w = {codes, scales, 4};
     return product(x, &w, y, m, n, k_all, tile_rows);
 }
 
 /* The same for int8: w = scale * code, codes -128..127. */
-int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scale, float *y, int m, int n, int k_all,
+int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, float *y, int m, int n, int k_all,
                int tile_rows) {
-    weight w = {(const uint8_t *)codes, scale, NULL, 8};
+    weight w = {(const uint8_t *)codes, scales, 8};
     return product(x, &w, y, m, n, k_all, tile_rows);
 }

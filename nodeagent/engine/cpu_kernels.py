@@ -1,12 +1,12 @@
 """The node's quantized CPU kernels (`cpu_kernels.c`), built with the system's C compiler on first use.
 
 They multiply int4 or int8 weights in groups of 32 by activations quantized per group of 32 to
-16-bit integers, in integer arithmetic: AVX-512 VNNI for calls of a few rows (decode), AMX int8
+12-bit integers, in integer arithmetic: AVX-512 VNNI for calls of a few rows (decode), AMX int8
 tiles for more (prefill) where the processor has them. Every sum is exact, so the two paths give
 the same bits and a row's products never depend on the rows beside it: a prompt prefilled in one
 chunk and the same tokens decoded one by one agree to the bit. The weights are never rounded
-(each group's scale, and minimum for int4, are fp16 as in a GGUF file), and activations keep 16 bits against the
-largest of their group, where torch's weight-only kernels round them to bf16.
+(each group's scale, and minimum for int4, are fp16 as in a GGUF file), and activations keep 12 bits
+against the largest of their group, where torch's weight-only kernels round them to bf16.
 
 Where the processor, the compiler or a projection's shape does not fit, `cpu_kernels` is None
 and projections run on torch's kernels; `SUPERFLUID_CPU_KERNELS=0` turns them off, and
@@ -52,7 +52,7 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL, tiles: bool):
         self._int4 = library.sf_int4_mm
         self._int4.restype = ctypes.c_int
-        self._int4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+        self._int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         self._int8 = library.sf_int8_mm
         self._int8.restype = ctypes.c_int
         self._int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -96,20 +96,34 @@ class CpuKernels:
         n, k = packed.shape
         return _rows_of(packed.view(n // 16, k // 4, 16, 4), outputs).reshape(-1, k)
 
-    def int4(self, rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-             minimum: torch.Tensor) -> torch.Tensor:
-        """rows [m, k] fp32 contiguous times w = scale * code + minimum (`packed` [n, k/2], scale
-        and minimum [k/32, n] fp16), as [m, n] fp32."""
+    @staticmethod
+    def pack_scales(*per_group: torch.Tensor) -> torch.Tensor:
+        """Per-group values [n, k/32] in fp16 (scale, and for int4 minimum) in the kernels' layout
+        [n/16, k/32, values, 16]: each 16 outputs' values group after group."""
+        n, groups = per_group[0].shape
+        stacked = torch.stack([values.view(n // 16, 16, groups) for values in per_group], 2)
+        return stacked.permute(0, 3, 2, 1).contiguous()
+
+    @staticmethod
+    def unpack_scales(packed: torch.Tensor, outputs: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The [n, k/32] values `pack_scales` took, or the `outputs` rows only."""
+        if outputs is None:
+            outputs = torch.arange(packed.shape[0] * 16)
+        return [packed[outputs // 16, :, i, outputs % 16] for i in range(packed.shape[2])]
+
+    def int4(self, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """rows [m, k] fp32 contiguous times w = scale * code + minimum (`packed` [n, k/2] from
+        `pack_int4`, `scales` from `pack_scales(scale, minimum)`), as [m, n] fp32."""
         out = torch.empty(rows.shape[0], packed.shape[0])
-        self._check(self._int4(rows.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
-                               out.data_ptr(), *self._shape(rows, packed)))
+        self._check(self._int4(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                               *self._shape(rows, packed)))
         return out
 
-    def int8(self, rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """rows [m, k] fp32 contiguous times w = scale * code (`packed` [n, k] int8, scale
-        [k/32, n] fp16), as [m, n] fp32."""
+    def int8(self, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """rows [m, k] fp32 contiguous times w = scale * code (`packed` [n, k] int8 from
+        `pack_int8`, `scales` from `pack_scales(scale)`), as [m, n] fp32."""
         out = torch.empty(rows.shape[0], packed.shape[0])
-        self._check(self._int8(rows.data_ptr(), packed.data_ptr(), scale.data_ptr(), out.data_ptr(),
+        self._check(self._int8(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(),
                                *self._shape(rows, packed)))
         return out
 

@@ -9,7 +9,7 @@ These projections hold a quarter (int8) or an eighth (int4) of the fp32 bytes:
   exactly), on the node's own kernel likewise, else torch's `_weight_int4pack_mm_for_cpu`.
 
 torch's kernels are weight-only: activations go through them as bf16. The node's kernels keep
-16 bits of each activation against the largest of its group of 32 instead, and sum exactly. Neither
+12 bits of each activation against the largest of its group of 32 instead, and sum exactly. Neither
 quantizes activations per tensor as fbgemm's int8 linear does (faster still, but the outlier
 channels of real models make that lose the top token too often). The lm_head and the embedding
 are int8 in either format: they are often the file's most precise tensors, and the logits are
@@ -153,7 +153,7 @@ class Int8Linear:
         self.kernels = _node_kernels(weight)
         if self.kernels is not None:
             codes, scale = int8_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
-            self.codes, self.scale = self.kernels.pack_int8(codes), scale.t().contiguous()
+            self.codes, self.scale = self.kernels.pack_int8(codes), self.kernels.pack_scales(scale)
         else:
             self.codes, scale = int8_rows(weight.float())
             self.scale = scale.to(torch.bfloat16)
@@ -173,7 +173,8 @@ class Int8Linear:
         if self.kernels is None:
             return self.codes[outputs].float() * self.scale[outputs].float().unsqueeze(-1)
         codes = self.kernels.unpack_int8(self.codes, outputs).float().view(len(outputs), -1, GROUP)
-        return (codes * self.scale.t()[outputs].float().unsqueeze(-1)).view(len(outputs), self.in_features)
+        [scale] = self.kernels.unpack_scales(self.scale, outputs)
+        return (codes * scale.float().unsqueeze(-1)).view(len(outputs), self.in_features)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight_rows(torch.arange(self.out_features))
@@ -224,8 +225,8 @@ class Int4Linear:
         if self.kernels is not None:
             codes, scale, minimum = int4_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
             self.packed = self.kernels.pack_int4(codes)
-            self.scale, self.minimum = scale.t().contiguous(), minimum.t().contiguous()
-            scale_bytes = _bytes(self.scale) + _bytes(self.minimum)
+            self.scales = self.kernels.pack_scales(scale, minimum)
+            scale_bytes = _bytes(self.scales)
         else:
             codes, scale, minimum = int4_groups(weight.float())
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 8)
@@ -241,7 +242,7 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             rows = x.reshape(-1, self.in_features).float().contiguous()
-            return _finish(self.kernels.int4(rows, self.packed, self.scale, self.minimum), x, self.bias)
+            return _finish(self.kernels.int4(rows, self.packed, self.scales), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
             y = self._unpacked_product(rows)
@@ -299,7 +300,8 @@ class Int4Linear:
         through torch's kernel."""
         if self.kernels is not None:
             codes = self.kernels.unpack_int4(self.packed).float().view(self.out_features, -1, GROUP)
-            weight = codes * self.scale.t().float()[..., None] + self.minimum.t().float()[..., None]
+            scale, minimum = self.kernels.unpack_scales(self.scales)
+            weight = codes * scale.float()[..., None] + minimum.float()[..., None]
             return weight.view(self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros)
