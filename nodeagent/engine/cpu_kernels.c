@@ -328,6 +328,12 @@ static int tile_block(const activations *a, const weight *w, float *y, int m, in
     return 0;
 }
 
+static void quantize(const float *x, const activations *a, int r, int k_all) {
+    int groups = k_all / GROUP;
+    quantize_row(x + (size_t)r * k_all, k_all, a->halves + (size_t)r * k_all * 2, a->step + (size_t)r * groups,
+                 a->total + (size_t)r * groups);
+}
+
 static int product(const float *x, const weight *w, float *y, int m, int n, int k_all, int tile_rows) {
     int groups = k_all / GROUP, failed = 0;
     activations a = {malloc((size_t)m * k_all * 2), malloc((size_t)m * groups * 4), malloc((size_t)m * groups * 4)};
@@ -335,17 +341,18 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
         free(a.halves), free(a.step), free(a.total);
         return -1;
     }
-#pragma omp parallel reduction(|| : failed)
-    {
-#pragma omp for schedule(static)
+    if (m < tile_rows) {  /* decode: one fork and join a call, since each costs a wake-up */
         for (int r = 0; r < m; r++)
-            quantize_row(x + (size_t)r * k_all, k_all, a.halves + (size_t)r * k_all * 2, a.step + (size_t)r * groups,
-                         a.total + (size_t)r * groups);
-        if (m < tile_rows) {
+            quantize(x, &a, r, k_all);
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < n / 16; t++)
+            vector_rows(&a, w, t, y, m, n, k_all);
+    } else {
+#pragma omp parallel reduction(|| : failed)
+        {
 #pragma omp for schedule(static)
-            for (int t = 0; t < n / 16; t++)
-                vector_rows(&a, w, t, y, m, n, k_all);
-        } else {
+            for (int r = 0; r < m; r++)
+                quantize(x, &a, r, k_all);
             int configured = -1;
             size_t block_stride = 4 * column_tile_bytes(w->bits, k_all);
 #pragma omp for schedule(static)
