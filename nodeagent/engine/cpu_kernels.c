@@ -19,6 +19,11 @@
  * product reads its weight in two streams.
  */
 #include <immintrin.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +42,8 @@
 #define SPLIT 16               /* q = SPLIT * high + low */
 #define QMAX 2039.0f           /* |q| whose high byte still fits int8: 127 * 16 + 7 */
 #define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
+#define MAX_THREADS 64
+#define SPIN_PAUSES 2000       /* a pool worker's wait for the next call before it sleeps: tens of us */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -328,6 +335,105 @@ static int tile_block(const activations *a, const weight *w, float *y, int m, in
     return 0;
 }
 
+/* Decode calls run on a pool of their own rather than OpenMP's: called from the scheduler's thread,
+ * libgomp counts more threads than CPUs on a small machine and puts its workers to sleep between
+ * calls, so every call paid a wake-up. The pool's workers spin briefly for the next call first. */
+typedef struct {
+    const activations *a;
+    const weight *w;
+    float *y;
+    int m, n, k_all;
+} call;
+
+static struct {
+    pthread_mutex_t lock;  /* one caller at a time */
+    atomic_uint generation;  /* bumped for each call; workers wait on it */
+    atomic_int pending, sleepers;
+    const call *job;
+    int parts, workers;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+typedef struct {
+    int part;
+    unsigned seen;
+} worker_start;
+
+/* Part `part` of `parts` of the call: a contiguous share of its column tiles. */
+static void run_part(const call *c, int part, int parts) {
+    int tiles = c->n / 16;
+    for (int t = tiles * part / parts; t < tiles * (part + 1) / parts; t++)
+        vector_rows(c->a, c->w, t, c->y, c->m, c->n, c->k_all);
+}
+
+static void *pool_worker(void *arg) {
+    worker_start start = *(worker_start *)arg;
+    free(arg);
+    for (unsigned seen = start.seen;;) {
+        unsigned now;
+        for (int spins = 0; (now = atomic_load(&pool.generation)) == seen;) {
+            if (++spins < SPIN_PAUSES) {
+                _mm_pause();
+                continue;
+            }
+            atomic_fetch_add(&pool.sleepers, 1);
+            syscall(SYS_futex, &pool.generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&pool.sleepers, 1);
+        }
+        seen = now;
+        if (start.part < pool.parts)
+            run_part(pool.job, start.part, pool.parts);
+        atomic_fetch_sub(&pool.pending, 1);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers. */
+static void forget_workers(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.workers = 0;
+    atomic_store(&pool.sleepers, 0);
+}
+
+static void watch_forks(void) {
+    pthread_atfork(NULL, NULL, forget_workers);
+}
+
+/* Starts workers up to `wanted` (with the caller, `wanted` + 1 threads); how many there are. */
+static int hire(int wanted) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, watch_forks);
+    while (pool.workers < wanted) {
+        worker_start *start = malloc(sizeof *start);
+        pthread_t thread;
+        if (start == NULL)
+            break;
+        *start = (worker_start){pool.workers + 1, atomic_load(&pool.generation)};
+        if (pthread_create(&thread, NULL, pool_worker, start) != 0) {
+            free(start);
+            break;
+        }
+        pthread_detach(thread);
+        pool.workers++;
+    }
+    return pool.workers;
+}
+
+static void pooled(const call *c) {
+    pthread_mutex_lock(&pool.lock);
+    int threads = omp_get_max_threads();
+    int workers = hire((threads < MAX_THREADS ? threads : MAX_THREADS) - 1);
+    pool.job = c;
+    pool.parts = workers + 1;
+    atomic_store(&pool.pending, workers);
+    atomic_fetch_add(&pool.generation, 1);
+    if (atomic_load(&pool.sleepers) > 0)
+        syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_part(c, 0, workers + 1);
+    while (atomic_load(&pool.pending) > 0)
+        _mm_pause();
+    pthread_mutex_unlock(&pool.lock);
+}
+
 static void quantize(const float *x, const activations *a, int r, int k_all) {
     int groups = k_all / GROUP;
     quantize_row(x + (size_t)r * k_all, k_all, a->halves + (size_t)r * k_all * 2, a->step + (size_t)r * groups,
@@ -341,12 +447,10 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
         free(a.halves), free(a.step), free(a.total);
         return -1;
     }
-    if (m < tile_rows) {  /* decode: one fork and join a call, since each costs a wake-up */
+    if (m < tile_rows) {
         for (int r = 0; r < m; r++)
             quantize(x, &a, r, k_all);
-#pragma omp parallel for schedule(static)
-        for (int t = 0; t < n / 16; t++)
-            vector_rows(&a, w, t, y, m, n, k_all);
+        pooled(&(call){&a, w, y, m, n, k_all});
     } else {
 #pragma omp parallel reduction(|| : failed)
         {

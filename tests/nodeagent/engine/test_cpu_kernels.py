@@ -5,6 +5,8 @@ cannot run."""
 from __future__ import annotations
 
 import copy
+import os
+import threading
 
 import pytest
 import torch
@@ -104,6 +106,38 @@ def test_packing_keeps_every_code_and_picks_rows(tiles, steps, seed):
     packed = cpu_kernels.CpuKernels.pack_int8(bytes_)
     assert torch.equal(cpu_kernels.CpuKernels.unpack_int8(packed), bytes_)
     assert torch.equal(cpu_kernels.CpuKernels.unpack_int8(packed, outputs), bytes_[outputs])
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_decode_calls_from_many_threads_at_once_each_get_their_own_product(kind):
+    """Decode-sized calls run on the kernels' own worker pool, one caller at a time."""
+    projection = _projection(kind, 1536, 576, seed=4)
+    inputs = [_rows(2, 576, seed=seed) for seed in range(6)]
+    want = [projection(rows) for rows in inputs]
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def call(index: int) -> None:
+        got[index] = [projection(inputs[index]) for _ in range(20)]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(product, want[i]) for i, products in got.items() for product in products)
+    assert len(got) == len(inputs)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_forked_child_runs_the_kernels_without_its_parents_workers(kind):
+    projection = _projection(kind, 1536, 576, seed=5)
+    rows = _rows(1, 576, seed=5)
+    want = projection(rows)  # the parent's pool has its workers now
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if torch.equal(projection(rows), want) else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_q8_0_block_comes_back_exactly_from_int8():
