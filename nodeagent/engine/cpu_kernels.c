@@ -39,7 +39,7 @@
 #define INT4_TILE_BYTES (2 * TILE_BYTES)  /* the same for int4 codes: 16 c over c, one B tile */
 #define BLOCK 64               /* outputs the tile path takes at once: four column tiles */
 #define CHUNK 8                /* groups the int4 tile path unpacks at a time */
-#define SPLIT 16               /* q = SPLIT * high + low */
+#define SPLIT_BITS 4           /* q = 2^SPLIT_BITS * high + low */
 #define QMAX 2039.0f           /* |q| whose high byte still fits int8: 127 * 16 + 7 */
 #define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
 #define MAX_THREADS 64
@@ -84,15 +84,21 @@ static size_t column_tile_bytes(int bits, int k_all) {
     return (size_t)k_all * 16 * bits / 8;
 }
 
-static void quantize_row(const float *x, int k_all, int8_t *halves, float *step, float *total) {
-    const __m512i half = _mm512_set1_epi32(SPLIT / 2);
+/* Row r of x quantized into `a`. */
+static void quantize_row(const float *rows, const activations *a, int r, int k_all) {
+    const float *x = rows + (size_t)r * k_all;
+    int8_t *halves = a->halves + (size_t)r * k_all * 2;
+    float *step = a->step + (size_t)r * (k_all / GROUP), *total = a->total + (size_t)r * (k_all / GROUP);
+    const __m512i half = _mm512_set1_epi32(1 << (SPLIT_BITS - 1));
     for (int g = 0; g < k_all / GROUP; g++) {
         __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
         float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         __m512 scale = _mm512_set1_ps(peak > 0 ? QMAX / peak : 0);
         __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scale));
-        __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, half), 4), hb = _mm512_srai_epi32(_mm512_add_epi32(qb, half), 4);
-        __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 4)), lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 4));
+        __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, half), SPLIT_BITS),
+                hb = _mm512_srai_epi32(_mm512_add_epi32(qb, half), SPLIT_BITS);
+        __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, SPLIT_BITS)),
+                lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, SPLIT_BITS));
         int8_t *at = halves + 2 * g * GROUP;
         _mm_storeu_si128((__m128i *)at, _mm512_cvtepi32_epi8(ha));
         _mm_storeu_si128((__m128i *)(at + 16), _mm512_cvtepi32_epi8(hb));
@@ -103,16 +109,16 @@ static void quantize_row(const float *x, int k_all, int8_t *halves, float *step,
     }
 }
 
-static inline __m512 halves(const uint16_t *at) {
+static inline __m512 from_fp16(const uint16_t *at) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
 }
 
 /* acc + this group's share for 16 outputs, from D = sum(q * c) (exact); `scales` as in `weight`. */
 static inline __m512 finish_group(__m512 acc, __m512i d, const uint16_t *scales, int bits, float step,
                                   float total) {
-    __m512 t = _mm512_mul_ps(halves(scales), _mm512_cvtepi32_ps(d));
+    __m512 t = _mm512_mul_ps(from_fp16(scales), _mm512_cvtepi32_ps(d));
     if (bits == 4)
-        t = _mm512_fmadd_ps(halves(scales + 16), _mm512_set1_ps(total), t);
+        t = _mm512_fmadd_ps(from_fp16(scales + 16), _mm512_set1_ps(total), t);
     return _mm512_fmadd_ps(_mm512_set1_ps(step), t, acc);
 }
 
@@ -154,7 +160,7 @@ static inline __attribute__((always_inline)) void vector_tile(const activations 
         const uint16_t *scales = group_scales(w, t, groups, g);
         for (int r = 0; r < rows; r++) {
             size_t at = (size_t)(r0 + r) * groups + g;
-            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hs[r], 4), ls[r]);
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hs[r], SPLIT_BITS), ls[r]);
             if (w->bits == 8)  /* the codes were shifted by 128: take 128 * sum(q) back off */
                 d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (int32_t)a->total[at]));
             acc[r] = finish_group(acc[r], d, scales, w->bits, a->step[at], a->total[at]);
@@ -258,7 +264,7 @@ static inline __m512i tile_d(int32_t (*sums)[16 * 64], int bits, int r, int t) {
     if (bits == 4)
         return _mm512_load_si512(sums[0] + r * 64 + 16 * t);
     const int32_t *part = sums[t / 2] + r * 64 + (t % 2) * 32;
-    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part), 4), _mm512_load_si512(part + 16));
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part), SPLIT_BITS), _mm512_load_si512(part + 16));
 }
 
 /* Groups g0..g0+groups of one block for every row, adding into acc [m][BLOCK]. The B tile of
@@ -276,11 +282,10 @@ static void tile_groups(const activations *a, const weight *w, const uint8_t *ti
         for (int g = g0; g < g0 + groups; g++) {
             const uint8_t *b = tiles + (g - g0) * group_stride;
             const int8_t *halves = a->halves + 2 * ((size_t)m0 * k_all + g * GROUP);
+            _tile_loadd(4, halves, 2 * k_all);
             if (w->bits == 4) {
-                _tile_loadd(4, halves, 2 * k_all);
                 int4_sums(b, tile_stride, sums[0]);
             } else {
-                _tile_loadd(4, halves, 2 * k_all);
                 _tile_loadd(5, halves + GROUP, 2 * k_all);
                 int8_sums(b, b + tile_stride, sums[0]);
                 int8_sums(b + 2 * tile_stride, b + 3 * tile_stride, sums[1]);
@@ -434,12 +439,6 @@ static void pooled(const call *c) {
     pthread_mutex_unlock(&pool.lock);
 }
 
-static void quantize(const float *x, const activations *a, int r, int k_all) {
-    int groups = k_all / GROUP;
-    quantize_row(x + (size_t)r * k_all, k_all, a->halves + (size_t)r * k_all * 2, a->step + (size_t)r * groups,
-                 a->total + (size_t)r * groups);
-}
-
 static int product(const float *x, const weight *w, float *y, int m, int n, int k_all, int tile_rows) {
     int groups = k_all / GROUP, failed = 0;
     activations a = {malloc((size_t)m * k_all * 2), malloc((size_t)m * groups * 4), malloc((size_t)m * groups * 4)};
@@ -449,14 +448,14 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
     }
     if (m < tile_rows) {
         for (int r = 0; r < m; r++)
-            quantize(x, &a, r, k_all);
+            quantize_row(x, &a, r, k_all);
         pooled(&(call){&a, w, y, m, n, k_all});
     } else {
 #pragma omp parallel reduction(|| : failed)
         {
 #pragma omp for schedule(static)
             for (int r = 0; r < m; r++)
-                quantize(x, &a, r, k_all);
+                quantize_row(x, &a, r, k_all);
             int configured = -1;
             size_t block_stride = 4 * column_tile_bytes(w->bits, k_all);
 #pragma omp for schedule(static)
