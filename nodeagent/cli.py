@@ -70,7 +70,7 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --fast-prefill (torch, int4 on torch's CPU kernel) runs prefill chunks of 64 tokens or more as
  bf16 GEMMs on unpacked weights: several times faster, but a generation's tokens may then depend
  on how its prompt was batched (a preemption or a prefix-cache hit can change a near-tie). Where
- the node's own CPU kernels run (AVX-512 VNNI), prefill is fast and exact without it.
+ the node's own CPU kernels run (AVX-512 VNNI or AVX2), prefill is exact without it.
  --engine-stall-timeout-ms (torch, default {DEFAULT_STALL_TIMEOUT_MS}) marks the engine stalled
  when one step runs longer: its generations end with an error and /health answers 503 until it
  returns (0: no watchdog).

@@ -2,16 +2,18 @@
 
 They multiply int4 or int8 weights in groups of 32 by activations quantized per group of 32 to
 12-bit integers, in integer arithmetic: AVX-512 VNNI for calls of a few rows (decode), AMX int8
-tiles for more (prefill) where the processor has them. Every sum is exact, so the two paths give
-the same bits and a row's products never depend on the rows beside it: a prompt prefilled in one
-chunk and the same tokens decoded one by one agree to the bit. The weights are never rounded
-(each group's scale, and minimum for int4, are fp16 as in a GGUF file), and activations keep 12 bits
-against the largest of their group, where torch's weight-only kernels round them to bf16.
+tiles for more (prefill) where the processor has them, and on processors without AVX-512 VNNI an
+AVX2 build of the vector path. Every sum is exact, so every path and build gives the same bits and a
+row's products never depend on the rows beside it: a prompt prefilled in one chunk and the same
+tokens decoded one by one agree to the bit. The weights are never rounded (each group's scale,
+and minimum for int4, are fp16 as in a GGUF file), and activations keep 12 bits against the
+largest of their group, where torch's weight-only kernels round them to bf16.
 
 Where the processor, the compiler or a projection's shape does not fit, `cpu_kernels` is None
-and projections run on torch's kernels; `SUPERFLUID_CPU_KERNELS=0` turns them off, and
+and projections run on torch's kernels. `SUPERFLUID_CPU_KERNELS=0` turns them off,
+`SUPERFLUID_CPU_KERNELS=avx2` takes the AVX2 build where AVX-512 would run, and
 `SUPERFLUID_AMX=0` keeps them off the tiles. The library is cached under
-`$XDG_CACHE_HOME/superfluid` (else `~/.cache/superfluid`), named by a hash of its source and flags.
+`$XDG_CACHE_HOME/superfluid` (else `~/.cache/superfluid`), named by a hash of its sources and flags.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,11 +34,32 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O2", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-         "-mamx-tile", "-mamx-int8"]
-#: What /proc/cpuinfo must list for the kernel's vector path, and for its tile path.
-VECTOR_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+#: The files `SOURCE` includes, one for each build.
+HEADERS = [SOURCE.with_name("cpu_kernels_avx512.h"), SOURCE.with_name("cpu_kernels_avx2.h")]
+COMMON_FLAGS = ["-O2", "-fPIC", "-shared", "-fopenmp"]
 TILE_CPU_FLAGS = {"amx_tile", "amx_int8"}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One build of the kernels: what /proc/cpuinfo must list for it, and its compiler flags."""
+
+    name: str
+    #: What the serving line calls its vector path.
+    label: str
+    cpu_flags: frozenset[str]
+    flags: tuple[str, ...]
+    #: Whether it has the AMX tile path.
+    tiles: bool
+
+
+#: The builds, best first.
+BUILDS = (
+    Build("avx512", "AVX-512 VNNI", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+          ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"), tiles=True),
+    Build("avx2", "AVX2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c", "-DSF_AVX2"),
+          tiles=False),
+)
 #: Outputs the tile path takes at once; inputs per scale (a GGUF Q4 block).
 BLOCK_OUTPUTS, GROUP = 64, 32
 #: The scales' type: a GGUF block's, so a Q4_0, Q4_1 or Q8_0 file's weights stay exact.
@@ -49,19 +73,20 @@ class CpuKernels:
     """`sf_int4_mm` and `sf_int8_mm` of the built library: fp32 rows times a quantized weight in
     the kernels' layouts."""
 
-    def __init__(self, library: ctypes.CDLL, tiles: bool):
+    def __init__(self, library: ctypes.CDLL, build: Build, tiles: bool):
         self._int4 = library.sf_int4_mm
         self._int4.restype = ctypes.c_int
         self._int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         self._int8 = library.sf_int8_mm
         self._int8.restype = ctypes.c_int
         self._int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        self.build = build
         #: Whether calls of `TILE_ROWS` rows or more run on AMX tiles.
         self.tiles = tiles
 
     @property
     def name(self) -> str:
-        return "AMX" if self.tiles else "AVX-512 VNNI"
+        return "AMX" if self.tiles else self.build.label
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
@@ -147,18 +172,25 @@ def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tenso
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
     """The kernels where this process can run them, else None (the reason is logged)."""
-    reason = _unusable()
-    if reason is None:
-        try:
-            library = ctypes.CDLL(str(_built()))
-        except subprocess.CalledProcessError as error:
-            reason = f"building it failed: {error.stderr.decode(errors='replace').strip()[-500:]}"
-        except (OSError, subprocess.SubprocessError) as error:
-            reason = f"building it failed: {error}"
-        else:
-            return CpuKernels(library, _tiles(library))
+    build, reason = _build_for_here()
+    if build is not None:
+        kernels = load(build)
+        if isinstance(kernels, CpuKernels):
+            return kernels
+        reason = kernels
     log.info("the node's CPU kernels are not used: %s", reason)
     return None
+
+
+def load(build: Build) -> CpuKernels | str:
+    """`build` compiled (once) and loaded, or why it could not be."""
+    try:
+        library = ctypes.CDLL(str(_built(build)))
+    except subprocess.CalledProcessError as error:
+        return f"building it failed: {error.stderr.decode(errors='replace').strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"building it failed: {error}"
+    return CpuKernels(library, build, build.tiles and _tiles(library))
 
 
 def _tiles(library: ctypes.CDLL) -> bool:
@@ -172,16 +204,29 @@ def _tiles(library: ctypes.CDLL) -> bool:
     return False
 
 
-def _unusable() -> str | None:
-    """Why the kernel cannot run here, or None."""
-    if os.environ.get("SUPERFLUID_CPU_KERNELS", "1") == "0":
-        return "SUPERFLUID_CPU_KERNELS=0"
-    missing = VECTOR_CPU_FLAGS - _cpu_flags()
-    if missing:
-        return "the processor lacks " + ", ".join(sorted(missing))
+def _build_for_here() -> tuple[Build | None, str]:
+    """The best build this processor runs, or the one `SUPERFLUID_CPU_KERNELS` names; else None
+    and why."""
+    asked = os.environ.get("SUPERFLUID_CPU_KERNELS", "1")
+    if asked == "0":
+        return None, "SUPERFLUID_CPU_KERNELS=0"
+    named = [build for build in BUILDS if build.name == asked]
+    if asked != "1" and not named:
+        log.warning("SUPERFLUID_CPU_KERNELS=%s is none of 0, 1, %s; taking the best build here",
+                    asked, ", ".join(build.name for build in BUILDS))
     if _compiler() is None:
-        return "no C compiler (cc or gcc) on PATH"
-    return None
+        return None, "no C compiler (cc or gcc) on PATH"
+    flags = _cpu_flags()
+    for build in named or BUILDS:
+        if build.cpu_flags <= flags:
+            return build, ""
+    missing = sorted((named or BUILDS)[-1].cpu_flags - flags)
+    return None, "the processor lacks " + ", ".join(missing)
+
+
+def runnable(build: Build) -> bool:
+    """Whether this processor has what `build` needs."""
+    return build.cpu_flags <= _cpu_flags()
 
 
 def _cpu_flags() -> set[str]:
@@ -197,17 +242,19 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _built() -> Path:
-    """The library for this source and these flags, compiled once into the cache."""
+def _built(build: Build) -> Path:
+    """The library for these sources and this build's flags, compiled once into the cache."""
     compiler = _compiler()
     assert compiler is not None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{digest}.so"
+    command = [compiler, *COMMON_FLAGS, *build.flags]
+    sources = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
+    digest = hashlib.sha256(sources + " ".join(command).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{build.name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
+            subprocess.run([*command, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
                            timeout=COMPILE_TIMEOUT_S)
             built.replace(target)
     return target

@@ -192,7 +192,7 @@ class LlamaModel:
 
     def cpu_kernels(self) -> str | None:
         """Where the node's own CPU kernels (`cpu_kernels.py`) run the quantized projections
-        ("AMX", "AVX-512 VNNI"), or None where none does."""
+        ("AMX", "AVX-512 VNNI", "AVX2"), or None where none does."""
         parts = [self.lm_head, *(p for layer in self.layers for p in vars(layer).values())]
         return next((p.kernels.name for p in parts if getattr(p, "kernels", None) is not None), None)
 

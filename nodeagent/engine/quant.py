@@ -4,7 +4,7 @@ A decode step reads every weight once, so on the CPU its cost is the bytes of it
 These projections hold a quarter (int8) or an eighth (int4) of the fp32 bytes:
 
 - int8: symmetric groups of 32 (GGUF Q8_0 exactly) on the node's own kernel where the processor
-  has AVX-512 VNNI (`cpu_kernels.py`), else torch's `_weight_int8pack_mm`, one scale an output row.
+  has AVX-512 VNNI or AVX2 (`cpu_kernels.py`), else torch's `_weight_int8pack_mm`, one scale an output row.
 - int4: asymmetric groups of 32 (a scale and a minimum per group, which is GGUF Q4_0 and Q4_1
   exactly), on the node's own kernel likewise, else torch's `_weight_int4pack_mm_for_cpu`.
 

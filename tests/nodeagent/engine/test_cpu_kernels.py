@@ -1,6 +1,6 @@
 """The node's CPU kernels (int4 and int8 in groups of 32): their products, the same bits on the
-vector and tile paths whatever rows run beside a row, and how the node falls back where they
-cannot run."""
+vector and tile paths and on the AVX-512 and AVX2 builds whatever rows run beside a row, and how
+the node falls back where they cannot run."""
 
 from __future__ import annotations
 
@@ -30,10 +30,29 @@ def fresh_kernels(monkeypatch, tmp_path):
     cpu_kernels.cpu_kernels.cache_clear()
 
 
+@pytest.fixture(params=[build.name for build in cpu_kernels.BUILDS])
+def each_build(request, monkeypatch):
+    """The projections made in the test run on each build of the kernels this processor runs."""
+    build = next(build for build in cpu_kernels.BUILDS if build.name == request.param)
+    if not cpu_kernels.runnable(build):
+        pytest.skip(f"this processor cannot run the {build.name} build")
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", build.name)
+    cpu_kernels.cpu_kernels.cache_clear()
+    yield build
+    cpu_kernels.cpu_kernels.cache_clear()
+
+
 def _kernels_or_skip() -> cpu_kernels.CpuKernels:
     kernels = cpu_kernels.cpu_kernels()
     if kernels is None:
-        pytest.skip("no node CPU kernels here: " + (cpu_kernels._unusable() or "they failed to build or load"))
+        pytest.skip("no node CPU kernels here: " + (cpu_kernels._build_for_here()[1] or "they failed to load"))
+    return kernels
+
+
+def _loaded_or_skip(build: cpu_kernels.Build) -> cpu_kernels.CpuKernels:
+    kernels = cpu_kernels.load(build) if cpu_kernels.runnable(build) else "the processor cannot run it"
+    if isinstance(kernels, str):
+        pytest.skip(f"no {build.name} build here: {kernels}")
     return kernels
 
 
@@ -59,8 +78,11 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (192, 576), (1536, 576), (576, 1536)])
 @pytest.mark.parametrize("count", [1, 3, 4, 17, 130])
-def test_a_kernel_multiplies_by_its_weight_with_activations_kept_to_12_bits(kind, out_features, in_features, count):
+def test_a_kernel_multiplies_by_its_weight_with_activations_kept_to_12_bits(
+    kind, out_features, in_features, count, each_build
+):
     projection = _projection(kind, out_features, in_features, seed=count)
+    assert projection.kernels.build == each_build
     rows = _rows(count, in_features, seed=1)
     exact = rows.double() @ projection.dequantized().double().t()
     in_bf16 = rows.to(torch.bfloat16).double() @ projection.dequantized().double().t()
@@ -80,8 +102,30 @@ def test_the_vector_and_tile_paths_give_the_same_bits(kind):
         assert torch.equal(projection(rows), vector_only(rows))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (1536, 576), (576, 1536)])
+def test_the_avx2_build_gives_the_avx512_builds_bits(bits, out_features, in_features):
+    """Both builds sum the same exact integers and take the same fp32 steps for each output, so a
+    node's tokens do not depend on which processor ran it. Codes span their whole range."""
+    wide, narrow = (_loaded_or_skip(build) for build in cpu_kernels.BUILDS)
+    generator = torch.Generator().manual_seed(in_features + bits)
+    groups = (out_features, in_features // 32)
+    scales = [(torch.rand(groups, generator=generator) * 0.01).to(cpu_kernels.SCALE_DTYPE)]
+    if bits == 4:
+        packed = wide.pack_int4(torch.randint(0, 16, (out_features, in_features), generator=generator))
+        scales.append((-torch.rand(groups, generator=generator) * 0.08).to(cpu_kernels.SCALE_DTYPE))
+    else:
+        codes = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+        packed = wide.pack_int8(codes)
+    packed_scales = wide.pack_scales(*scales)
+    for count in (1, 2, 3, 4, 5, 17, 130):
+        rows = _rows(count, in_features, seed=count)
+        products = [getattr(kernels, f"int{bits}")(rows, packed, packed_scales) for kernels in (wide, narrow)]
+        assert torch.equal(*products)
+
+
 @pytest.mark.parametrize("kind", FORMATS)
-def test_a_rows_products_do_not_depend_on_the_rows_beside_it(kind):
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(kind, each_build):
     projection = _projection(kind, 576, 1536, seed=0)
     rows = _rows(100, 1536, seed=3)
     together = projection(rows)
@@ -109,7 +153,7 @@ def test_packing_keeps_every_code_and_picks_rows(tiles, steps, seed):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_decode_calls_from_many_threads_at_once_each_get_their_own_product(kind):
+def test_decode_calls_from_many_threads_at_once_each_get_their_own_product(kind, each_build):
     """Decode-sized calls run on the kernels' own worker pool, one caller at a time."""
     projection = _projection(kind, 1536, 576, seed=4)
     inputs = [_rows(2, 576, seed=seed) for seed in range(6)]
@@ -171,11 +215,26 @@ def test_the_switches_turn_the_kernels_and_their_tiles_off(fresh_kernels, monkey
     cpu_kernels.cpu_kernels.cache_clear()
     kernels = _kernels_or_skip()
     assert not kernels.tiles
-    assert kernels.name == "AVX-512 VNNI"
+    assert kernels.name == kernels.build.label
+
+
+def test_the_switch_picks_the_avx2_build_and_warns_of_a_name_it_does_not_know(fresh_kernels, monkeypatch, caplog):
+    avx2 = next(build for build in cpu_kernels.BUILDS if build.name == "avx2")
+    if not cpu_kernels.runnable(avx2):
+        pytest.skip("this processor cannot run the AVX2 build")
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", "avx2")
+    kernels = _kernels_or_skip()
+    assert (kernels.build, kernels.name, kernels.tiles) == (avx2, "AVX2", False)
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", "avx-512")
+    cpu_kernels.cpu_kernels.cache_clear()
+    with caplog.at_level("WARNING", logger="nodeagent.engine.cpu_kernels"):
+        best = _kernels_or_skip()
+    assert "SUPERFLUID_CPU_KERNELS=avx-512 is none of 0, 1, avx512, avx2" in caplog.text
+    assert best.build == next(build for build in cpu_kernels.BUILDS if cpu_kernels.runnable(build))
 
 
 def test_a_compiler_that_fails_leaves_torchs_kernels_and_says_why(fresh_kernels, monkeypatch, caplog):
-    if cpu_kernels.VECTOR_CPU_FLAGS - cpu_kernels._cpu_flags():
+    if not any(cpu_kernels.runnable(build) for build in cpu_kernels.BUILDS):
         pytest.skip("the processor check refuses before the compiler runs")
     monkeypatch.setenv("CC", "false")
     with caplog.at_level("INFO", logger="nodeagent.engine.cpu_kernels"):

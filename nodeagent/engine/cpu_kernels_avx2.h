@@ -1,0 +1,131 @@
+/* The AVX2 build of the kernels (included by cpu_kernels.c), for processors without AVX-512 VNNI:
+ * the vector path only, 8 outputs a vector. Its integer sums are the same exact D and each output
+ * takes the same fp32 operations in the same order, so it gives the AVX-512 build's bits.
+ *
+ * VPMADDUBSW multiplies unsigned by signed bytes into pairs of int16, which saturate: int4 codes
+ * (0..15) go in as they are, and a group's eight pair sums stay below 8 * 2 * 15 * 127 = 30480;
+ * int8 codes go in as |c| with c's sign moved onto the activation (|high| <= 127, so negating it
+ * never overflows), one pair at most 2 * 128 * 127 = 32512. */
+
+static inline float max_of(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline int32_t sum_of(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* Four vectors of 8 int32 (in range) as 32 int8 in order. */
+static inline __m256i narrowed(const __m256i *v) {
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Row r of x quantized into `a`, as the AVX-512 build does it. */
+static void quantize_row(const float *rows, const activations *a, int r, int k_all) {
+    const float *x = rows + (size_t)r * k_all;
+    int8_t *halves = a->halves + (size_t)r * k_all * 2;
+    float *step = a->step + (size_t)r * (k_all / GROUP), *total = a->total + (size_t)r * (k_all / GROUP);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i half = _mm256_set1_epi32(1 << (SPLIT_BITS - 1));
+    for (int g = 0; g < k_all / GROUP; g++) {
+        __m256 v[4], peaks = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + g * GROUP + 8 * i);
+            peaks = _mm256_max_ps(peaks, _mm256_and_ps(v[i], magnitude));
+        }
+        float peak = max_of(peaks);
+        __m256 scale = _mm256_set1_ps(peak > 0 ? QMAX / peak : 0);
+        __m256i q[4], highs[4], lows[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+            highs[i] = _mm256_srai_epi32(_mm256_add_epi32(q[i], half), SPLIT_BITS);
+            lows[i] = _mm256_sub_epi32(q[i], _mm256_slli_epi32(highs[i], SPLIT_BITS));
+            sum = _mm256_add_epi32(sum, q[i]);
+        }
+        int8_t *at = halves + 2 * g * GROUP;
+        _mm256_storeu_si256((__m256i *)at, narrowed(highs));
+        _mm256_storeu_si256((__m256i *)(at + GROUP), narrowed(lows));
+        step[g] = peak / QMAX;
+        total[g] = (float)sum_of(sum);
+    }
+}
+
+static inline __m256 from_fp16(const uint16_t *at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+}
+
+/* acc + this group's share for 8 outputs, from D (exact); `scales` at those outputs' first. */
+static inline __m256 finish_group(__m256 acc, __m256i d, const uint16_t *scales, int bits, float step,
+                                  float total) {
+    __m256 t = _mm256_mul_ps(from_fp16(scales), _mm256_cvtepi32_ps(d));
+    if (bits == 4)
+        t = _mm256_fmadd_ps(from_fp16(scales + 16), _mm256_set1_ps(total), t);
+    return _mm256_fmadd_ps(_mm256_set1_ps(step), t, acc);
+}
+
+/* One group's D for 8 outputs (the codes at `codes`, 32 bytes of each UNIT) and `rows` rows. */
+static inline __attribute__((always_inline)) void group_d(const activations *a, const uint8_t *codes, int bits,
+                                                          int r0, int rows, int k_all, int g, __m256i *d) {
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+    __m256i hs[VECTOR_ROWS], ls[VECTOR_ROWS];
+    const int32_t *h[VECTOR_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) {
+        hs[r] = ls[r] = _mm256_setzero_si256();
+        h[r] = (const int32_t *)(a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP));
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < QUADS; p++) {
+        __m256i c;
+        if (bits == 4) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p / 2 * UNIT));
+            c = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(v, 4) : v, nibble);
+        } else {
+            c = _mm256_loadu_si256((const __m256i *)(codes + p * UNIT));
+        }
+        __m256i size = bits == 4 ? c : _mm256_abs_epi8(c);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            __m256i high = _mm256_set1_epi32(h[r][p]), low = _mm256_set1_epi32(h[r][QUADS + p]);
+            if (bits == 8)
+                high = _mm256_sign_epi8(high, c), low = _mm256_sign_epi8(low, c);
+            __m256i pairs = _mm256_maddubs_epi16(size, high);
+            hs[r] = bits == 4 ? _mm256_add_epi16(hs[r], pairs) : _mm256_add_epi32(hs[r], _mm256_madd_epi16(pairs, ones));
+            ls[r] = _mm256_add_epi16(ls[r], _mm256_maddubs_epi16(size, low));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) {
+        __m256i high = bits == 4 ? _mm256_madd_epi16(hs[r], ones) : hs[r];
+        d[r] = _mm256_add_epi32(_mm256_slli_epi32(high, SPLIT_BITS), _mm256_madd_epi16(ls[r], ones));
+    }
+}
+
+/* The vector path: 16 outputs (column tile `t`) for `rows` rows from `r0`, written to y, as two
+ * halves of 8. */
+static inline __attribute__((always_inline)) void vector_tile(const activations *a, const weight *w, int t, float *y,
+                                                              int r0, int rows, int n, int k_all) {
+    int groups = k_all / GROUP;
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *codes = w->codes + t * column_tile_bytes(w->bits, k_all) + half * (UNIT / 2);
+        __m256 acc[VECTOR_ROWS];
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_setzero_ps();
+        for (int g = 0; g < groups; g++) {
+            __m256i d[VECTOR_ROWS];
+            group_d(a, codes + (size_t)g * GROUP * w->bits * 2, w->bits, r0, rows, k_all, g, d);
+            const uint16_t *scales = group_scales(w, t, groups, g) + 8 * half;
+            for (int r = 0; r < rows; r++) {
+                size_t at = (size_t)(r0 + r) * groups + g;
+                acc[r] = finish_group(acc[r], d[r], scales, w->bits, a->step[at], a->total[at]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + (size_t)(r0 + r) * n + 16 * t + 8 * half, acc[r]);
+    }
+}

@@ -1,0 +1,276 @@
+/* The AVX-512 build of the kernels (included by cpu_kernels.c): VNNI for calls of a few rows, AMX
+ * int8 tiles for more. */
+
+#define HAS_TILES
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_BYTES (QUADS * UNIT)  /* a group of 16 outputs as int8 codes: one B tile */
+#define INT4_TILE_BYTES (2 * TILE_BYTES)  /* the same for int4 codes: 16 c over c, one B tile */
+#define BLOCK 64               /* outputs the tile path takes at once: four column tiles */
+#define CHUNK 8                /* groups the int4 tile path unpacks at a time */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands out the tile state only to a process that asks for it. */
+int sf_amx_enable(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Row r of x quantized into `a`. */
+static void quantize_row(const float *rows, const activations *a, int r, int k_all) {
+    const float *x = rows + (size_t)r * k_all;
+    int8_t *halves = a->halves + (size_t)r * k_all * 2;
+    float *step = a->step + (size_t)r * (k_all / GROUP), *total = a->total + (size_t)r * (k_all / GROUP);
+    const __m512i half = _mm512_set1_epi32(1 << (SPLIT_BITS - 1));
+    for (int g = 0; g < k_all / GROUP; g++) {
+        __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
+        float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        __m512 scale = _mm512_set1_ps(peak > 0 ? QMAX / peak : 0);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scale));
+        __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, half), SPLIT_BITS),
+                hb = _mm512_srai_epi32(_mm512_add_epi32(qb, half), SPLIT_BITS);
+        __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, SPLIT_BITS)),
+                lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, SPLIT_BITS));
+        int8_t *at = halves + 2 * g * GROUP;
+        _mm_storeu_si128((__m128i *)at, _mm512_cvtepi32_epi8(ha));
+        _mm_storeu_si128((__m128i *)(at + 16), _mm512_cvtepi32_epi8(hb));
+        _mm_storeu_si128((__m128i *)(at + GROUP), _mm512_cvtepi32_epi8(la));
+        _mm_storeu_si128((__m128i *)(at + GROUP + 16), _mm512_cvtepi32_epi8(lb));
+        step[g] = peak / QMAX;
+        total[g] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+static inline __m512 from_fp16(const uint16_t *at) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+}
+
+/* acc + this group's share for 16 outputs, from D = sum(q * c) (exact); `scales` as in `weight`. */
+static inline __m512 finish_group(__m512 acc, __m512i d, const uint16_t *scales, int bits, float step,
+                                  float total) {
+    __m512 t = _mm512_mul_ps(from_fp16(scales), _mm512_cvtepi32_ps(d));
+    if (bits == 4)
+        t = _mm512_fmadd_ps(from_fp16(scales + 16), _mm512_set1_ps(total), t);
+    return _mm512_fmadd_ps(_mm512_set1_ps(step), t, acc);
+}
+
+/* A group's codes for 16 outputs as eight vectors of unsigned bytes, one per 4 inputs: int4
+ * codes as they are, int8 codes plus 128 (VPDPBUSD multiplies unsigned by signed bytes). */
+static inline __attribute__((always_inline)) void group_quads(const uint8_t *codes, int bits, __m512i *quads) {
+    if (bits == 4) {
+        for (int o = 0; o < QUADS / 2; o++) {
+            __m512i v = _mm512_loadu_si512(codes + o * UNIT);
+            quads[2 * o] = _mm512_and_si512(v, _mm512_set1_epi8(15));
+            quads[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+        }
+    } else {
+        for (int o = 0; o < QUADS; o++)
+            quads[o] = _mm512_xor_si512(_mm512_loadu_si512(codes + o * UNIT), _mm512_set1_epi8((char)0x80));
+    }
+}
+
+/* The vector path: 16 outputs (column tile `t`) for `rows` rows from `r0`, written to y. */
+static inline __attribute__((always_inline)) void vector_tile(const activations *a, const weight *w, int t, float *y,
+                                                              int r0, int rows, int n, int k_all) {
+    int groups = k_all / GROUP;
+    const uint8_t *codes = w->codes + t * column_tile_bytes(w->bits, k_all);
+    __m512 acc[VECTOR_ROWS];
+    for (int r = 0; r < rows; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512i quads[QUADS], hs[VECTOR_ROWS], ls[VECTOR_ROWS];
+        group_quads(codes + (size_t)g * GROUP * w->bits * 2, w->bits, quads);
+        for (int r = 0; r < rows; r++) {
+            const int32_t *h = (const int32_t *)(a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP));
+            const int32_t *l = h + QUADS;
+            hs[r] = ls[r] = _mm512_setzero_si512();
+            for (int p = 0; p < QUADS; p++) {
+                hs[r] = _mm512_dpbusd_epi32(hs[r], quads[p], _mm512_set1_epi32(h[p]));
+                ls[r] = _mm512_dpbusd_epi32(ls[r], quads[p], _mm512_set1_epi32(l[p]));
+            }
+        }
+        const uint16_t *scales = group_scales(w, t, groups, g);
+        for (int r = 0; r < rows; r++) {
+            size_t at = (size_t)(r0 + r) * groups + g;
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hs[r], SPLIT_BITS), ls[r]);
+            if (w->bits == 8)  /* the codes were shifted by 128: take 128 * sum(q) back off */
+                d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (int32_t)a->total[at]));
+            acc[r] = finish_group(acc[r], d, scales, w->bits, a->step[at], a->total[at]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(y + (size_t)(r0 + r) * n + 16 * t, acc[r]);
+}
+
+/* Tiles 0-3 hold sums for `rows` rows and 16 outputs each, tile 4 the activations. int4: tile 4
+ * is a group's highs and lows (64 inputs), 5-7 the codes as [16 c, c] (16 rows of 4 inputs by 16
+ * outputs), and the sums are D for four column tiles. int8: tile 4 holds the highs, 5 the lows,
+ * 6 and 7 the codes (8 rows), and the sums are the highs' and the lows' for two column tiles. */
+static void configure(int rows, int bits) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        int activations = bits == 4 ? t == 4 : t == 4 || t == 5;
+        cfg.colsb[t] = activations && bits == 8 ? GROUP : 64;
+        cfg.rows[t] = t < 4 || activations ? rows : bits == 4 ? 2 * QUADS : QUADS;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* `groups` groups from `g0` of a block's four column tiles of int4 codes as B tiles
+ * [group][column tile][INT4_TILE_BYTES]: 16 c for the highs' 32 inputs, then c for the lows'. */
+static void unpack_int4(const uint8_t *codes, size_t tile_stride, int g0, int groups, uint8_t *tiles) {
+    const __m512i nibble = _mm512_set1_epi8(15), upper = _mm512_set1_epi8((char)0xF0);
+    for (int g = 0; g < groups; g++)
+        for (int t = 0; t < 4; t++) {
+            const uint8_t *from = codes + t * tile_stride + (size_t)(g0 + g) * GROUP * 8;
+            uint8_t *tile = tiles + ((size_t)g * 4 + t) * INT4_TILE_BYTES;
+            for (int o = 0; o < QUADS / 2; o++) {
+                __m512i v = _mm512_loadu_si512(from + o * UNIT);
+                _mm512_store_si512(tile + 2 * o * UNIT, _mm512_and_si512(_mm512_slli_epi16(v, 4), upper));
+                _mm512_store_si512(tile + (2 * o + 1) * UNIT, _mm512_and_si512(v, upper));
+                _mm512_store_si512(tile + TILE_BYTES + 2 * o * UNIT, _mm512_and_si512(v, nibble));
+                _mm512_store_si512(tile + TILE_BYTES + (2 * o + 1) * UNIT,
+                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+            }
+        }
+}
+
+/* One int4 group's D for four column tiles (B tiles at b, b + stride...) into `sums` [rows][64]. */
+static void int4_sums(const uint8_t *b, size_t stride, int32_t *sums) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(5, b, UNIT);
+    _tile_dpbsud(0, 4, 5);
+    _tile_loadd(6, b + stride, UNIT);
+    _tile_dpbsud(1, 4, 6);
+    _tile_loadd(7, b + 2 * stride, UNIT);
+    _tile_dpbsud(2, 4, 7);
+    _tile_loadd(5, b + 3 * stride, UNIT);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(0, sums, 256);
+    _tile_stored(1, sums + 16, 256);
+    _tile_stored(2, sums + 32, 256);
+    _tile_stored(3, sums + 48, 256);
+}
+
+/* One int8 group's sums for two column tiles (B tiles at b0, b1) into `sums` [rows][4][16]:
+ * highs and lows of the first, highs and lows of the second. */
+static void int8_sums(const uint8_t *b0, const uint8_t *b1, int32_t *sums) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(6, b0, UNIT);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 5, 6);
+    _tile_loadd(7, b1, UNIT);
+    _tile_dpbssd(2, 4, 7);
+    _tile_dpbssd(3, 5, 7);
+    _tile_stored(0, sums, 256);
+    _tile_stored(1, sums + 16, 256);
+    _tile_stored(2, sums + 32, 256);
+    _tile_stored(3, sums + 48, 256);
+}
+
+/* Row r's D for column tile t from the sums a group left. */
+static inline __m512i tile_d(int32_t (*sums)[16 * 64], int bits, int r, int t) {
+    if (bits == 4)
+        return _mm512_load_si512(sums[0] + r * 64 + 16 * t);
+    const int32_t *part = sums[t / 2] + r * 64 + (t % 2) * 32;
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part), SPLIT_BITS), _mm512_load_si512(part + 16));
+}
+
+/* Groups g0..g0+groups of one block for every row, adding into acc [m][BLOCK]. The B tile of
+ * group g0 + i and column tile t is at tiles + i * group_stride + t * tile_stride. */
+static void tile_groups(const activations *a, const weight *w, const uint8_t *tiles, size_t group_stride,
+                        size_t tile_stride, float *acc, int m, int k_all, int g0, int groups, int *configured) {
+    int32_t sums[2][16 * 64] __attribute__((aligned(64)));
+    int all_groups = k_all / GROUP;
+    for (int m0 = 0; m0 < m; m0 += 16) {
+        int rows = m - m0 < 16 ? m - m0 : 16;
+        if (rows != *configured) {
+            configure(rows, w->bits);
+            *configured = rows;
+        }
+        for (int g = g0; g < g0 + groups; g++) {
+            const uint8_t *b = tiles + (g - g0) * group_stride;
+            const int8_t *halves = a->halves + 2 * ((size_t)m0 * k_all + g * GROUP);
+            _tile_loadd(4, halves, 2 * k_all);
+            if (w->bits == 4) {
+                int4_sums(b, tile_stride, sums[0]);
+            } else {
+                _tile_loadd(5, halves + GROUP, 2 * k_all);
+                int8_sums(b, b + tile_stride, sums[0]);
+                int8_sums(b + 2 * tile_stride, b + 3 * tile_stride, sums[1]);
+            }
+            for (int r = 0; r < rows; r++) {
+                size_t at = (size_t)(m0 + r) * all_groups + g;
+                float *out = acc + (size_t)(m0 + r) * BLOCK;
+                for (int t = 0; t < 4; t++) {
+                    __m512 prior = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out + 16 * t);
+                    _mm512_store_ps(out + 16 * t, finish_group(prior, tile_d(sums, w->bits, r, t),
+                                                               group_scales(w, t, all_groups, g), w->bits,
+                                                               a->step[at], a->total[at]));
+                }
+            }
+        }
+    }
+}
+
+static _Thread_local uint8_t *held;
+static _Thread_local size_t held_bytes;
+
+/* A thread's buffers, kept between calls so that no call maps fresh pages. */
+static uint8_t *scratch(size_t bytes) {
+    if (bytes > held_bytes) {
+        free(held);
+        held = aligned_alloc(64, bytes);
+        held_bytes = held == NULL ? 0 : bytes;
+    }
+    return held;
+}
+
+/* One block of BLOCK outputs (weight `w` already offset to it) for every row, into y. */
+static int tile_block(const activations *a, const weight *w, float *y, int m, int n, int k_all, int *configured) {
+    size_t unpacked = w->bits == 4 ? (size_t)CHUNK * 4 * INT4_TILE_BYTES : 0;
+    uint8_t *buffer = scratch(unpacked + (size_t)m * BLOCK * 4);
+    if (buffer == NULL)
+        return -1;
+    float *acc = (float *)(buffer + unpacked);
+    size_t tile_stride = column_tile_bytes(w->bits, k_all);
+    int groups = k_all / GROUP;
+    if (w->bits == 4) {
+        for (int g0 = 0; g0 < groups; g0 += CHUNK) {
+            int count = groups - g0 < CHUNK ? groups - g0 : CHUNK;
+            unpack_int4(w->codes, tile_stride, g0, count, buffer);
+            tile_groups(a, w, buffer, 4 * INT4_TILE_BYTES, INT4_TILE_BYTES, acc, m, k_all, g0, count, configured);
+        }
+    } else {  /* int8 codes are B tiles as they lie */
+        tile_groups(a, w, w->codes, TILE_BYTES, tile_stride, acc, m, k_all, 0, groups, configured);
+    }
+    for (int r = 0; r < m; r++)
+        memcpy(y + (size_t)r * n, acc + (size_t)r * BLOCK, BLOCK * 4);
+    return 0;
+}
+
+/* The tile path: the rows quantized, then blocks of BLOCK outputs shared out on OpenMP's threads. */
+static int tiled(const float *x, const activations *a, const weight *w, float *y, int m, int n, int k_all) {
+    int groups = k_all / GROUP, failed = 0;
+#pragma omp parallel reduction(|| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++)
+            quantize_row(x, a, r, k_all);
+        int configured = -1;
+        size_t block_stride = 4 * column_tile_bytes(w->bits, k_all);
+#pragma omp for schedule(static)
+        for (int nb = 0; nb < n / BLOCK; nb++) {
+            weight block = {w->codes + nb * block_stride, group_scales(w, 4 * nb, groups, 0), w->bits};
+            if (!failed)
+                failed = tile_block(a, &block, y + nb * BLOCK, m, n, k_all, &configured) != 0;
+        }
+    }
+    return failed ? -1 : 0;
+}
