@@ -39,7 +39,7 @@
 #define QMAX 2039.0f           /* |q| whose high byte still fits int8: 127 * 16 + 7 */
 #define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
 #define MAX_THREADS 64
-#define SPIN_PAUSES 2000       /* a pool worker's wait for the next call before it sleeps: tens of us */
+#define CHUNKS_PER_THREAD 4    /* a call's share of work each thread may claim */
 
 /* A weight: codes, fp16 scales and its code width. For each 16 outputs (a column tile) the scales
  * run group by group, 16 scales and for int4 then 16 minimums: a tile's scales are one stream. */
@@ -96,54 +96,64 @@ static void vector_rows(const activations *a, const weight *w, int t, float *y, 
     }
 }
 
-/* Vector-path calls run on a pool of their own rather than OpenMP's: called from the scheduler's thread,
- * libgomp counts more threads than CPUs on a small machine and puts its workers to sleep between
- * calls, so every call paid a wake-up. The pool's workers spin briefly for the next call first. */
+/* Vector-path calls run on a pool of their own rather than OpenMP's (called from the scheduler's
+ * thread, libgomp counted more threads than CPUs on a small machine and made every call wait for
+ * a wake-up). A call's column tiles come in chunks that the caller and the workers claim until
+ * none is left: the caller starts at once and, where a worker wakes late or the node's other
+ * threads hold a core, takes its share too. Workers sleep between calls rather than spin: on two
+ * cores a spinning worker held the core that the connection loop and torch's threads needed. */
 typedef struct {
     const activations *a;
     const weight *w;
     float *y;
-    int m, n, k_all;
+    int m, n, k_all, chunks;
 } call;
 
 static struct {
     pthread_mutex_t lock;  /* one caller at a time */
-    atomic_uint generation;  /* bumped for each call; workers wait on it */
-    atomic_int pending, sleepers;
+    atomic_uint generation;  /* bumped for each call; sleeping workers wait on it */
+    _Atomic uint64_t claims;  /* the call's generation, its chunk count and the next chunk to claim */
+    atomic_int done, sleepers;  /* chunks finished in this call; workers asleep */
     const call *job;
-    int parts, workers;
+    int workers;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
-typedef struct {
-    int part;
-    unsigned seen;
-} worker_start;
+static uint64_t claims_of(unsigned generation, int chunks, int next) {
+    return (uint64_t)generation << 32 | (uint64_t)chunks << 16 | (uint64_t)next;
+}
 
-/* Part `part` of `parts` of the call: a contiguous share of its column tiles. */
-static void run_part(const call *c, int part, int parts) {
-    int tiles = c->n / 16;
-    for (int t = tiles * part / parts; t < tiles * (part + 1) / parts; t++)
-        vector_rows(c->a, c->w, t, c->y, c->m, c->n, c->k_all);
+/* The next chunk of call `generation`, or -1 when none is left or that call is over. */
+static int claim(unsigned generation) {
+    uint64_t now = atomic_load(&pool.claims);
+    while ((unsigned)(now >> 32) == generation && (now & 0xFFFF) < ((now >> 16) & 0xFFFF))
+        if (atomic_compare_exchange_weak(&pool.claims, &now, now + 1))
+            return (int)(now & 0xFFFF);
+    return -1;
+}
+
+/* Runs chunks of call `generation` until none is left. A claimed chunk keeps the call open (its
+ * caller waits for every chunk), so `pool.job` is that call's while the chunk runs. */
+static void work(unsigned generation) {
+    for (int chunk; (chunk = claim(generation)) >= 0; atomic_fetch_add(&pool.done, 1)) {
+        const call *c = pool.job;
+        int tiles = c->n / 16;
+        for (int t = tiles * chunk / c->chunks; t < tiles * (chunk + 1) / c->chunks; t++)
+            vector_rows(c->a, c->w, t, c->y, c->m, c->n, c->k_all);
+    }
 }
 
 static void *pool_worker(void *arg) {
-    worker_start start = *(worker_start *)arg;
+    unsigned seen = *(unsigned *)arg;
     free(arg);
-    for (unsigned seen = start.seen;;) {
+    for (;;) {
         unsigned now;
-        for (int spins = 0; (now = atomic_load(&pool.generation)) == seen;) {
-            if (++spins < SPIN_PAUSES) {
-                _mm_pause();
-                continue;
-            }
+        while ((now = atomic_load(&pool.generation)) == seen) {
             atomic_fetch_add(&pool.sleepers, 1);
             syscall(SYS_futex, &pool.generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
             atomic_fetch_sub(&pool.sleepers, 1);
         }
         seen = now;
-        if (start.part < pool.parts)
-            run_part(pool.job, start.part, pool.parts);
-        atomic_fetch_sub(&pool.pending, 1);
+        work(now);
     }
     return NULL;
 }
@@ -164,13 +174,13 @@ static int hire(int wanted) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, watch_forks);
     while (pool.workers < wanted) {
-        worker_start *start = malloc(sizeof *start);
+        unsigned *seen = malloc(sizeof *seen);
         pthread_t thread;
-        if (start == NULL)
+        if (seen == NULL)
             break;
-        *start = (worker_start){pool.workers + 1, atomic_load(&pool.generation)};
-        if (pthread_create(&thread, NULL, pool_worker, start) != 0) {
-            free(start);
+        *seen = atomic_load(&pool.generation);
+        if (pthread_create(&thread, NULL, pool_worker, seen) != 0) {
+            free(seen);
             break;
         }
         pthread_detach(thread);
@@ -179,18 +189,21 @@ static int hire(int wanted) {
     return pool.workers;
 }
 
-static void pooled(const call *c) {
+static void pooled(call *c) {
     pthread_mutex_lock(&pool.lock);
     int threads = omp_get_max_threads();
     int workers = hire((threads < MAX_THREADS ? threads : MAX_THREADS) - 1);
+    int tiles = c->n / 16, most = CHUNKS_PER_THREAD * (workers + 1);
+    c->chunks = tiles < most ? tiles : most;
     pool.job = c;
-    pool.parts = workers + 1;
-    atomic_store(&pool.pending, workers);
-    atomic_fetch_add(&pool.generation, 1);
+    atomic_store(&pool.done, 0);
+    unsigned generation = atomic_load(&pool.generation) + 1;
+    atomic_store(&pool.claims, claims_of(generation, c->chunks, 0));
+    atomic_store(&pool.generation, generation);
     if (atomic_load(&pool.sleepers) > 0)
         syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    run_part(c, 0, workers + 1);
-    while (atomic_load(&pool.pending) > 0)
+    work(generation);
+    while (atomic_load(&pool.done) < c->chunks)
         _mm_pause();
     pthread_mutex_unlock(&pool.lock);
 }
@@ -199,7 +212,7 @@ static void pooled(const call *c) {
 static void vectored(const float *x, const activations *a, const weight *w, float *y, int m, int n, int k_all) {
     for (int r = 0; r < m; r++)
         quantize_row(x, a, r, k_all);
-    pooled(&(call){a, w, y, m, n, k_all});
+    pooled(&(call){a, w, y, m, n, k_all, 0});
 }
 
 static int product(const float *x, const weight *w, float *y, int m, int n, int k_all, int tile_rows) {
