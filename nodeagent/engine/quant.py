@@ -153,27 +153,27 @@ class Int8Linear:
         self.kernels = _node_kernels(weight)
         if self.kernels is not None:
             codes, scale = int8_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
-            self.codes, self.scale = self.kernels.pack_int8(codes), self.kernels.pack_scales(scale)
+            self.codes, self.scales = self.kernels.pack_int8(codes), self.kernels.pack_scales(scale)
         else:
             self.codes, scale = int8_rows(weight.float())
-            self.scale = scale.to(torch.bfloat16)
+            self.scales = scale.to(torch.bfloat16)
         self.bias = bias
-        self.nbytes = self.codes.numel() + _bytes(self.scale) + _bytes(bias)
+        self.nbytes = self.codes.numel() + _bytes(self.scales) + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             rows = x.reshape(-1, self.in_features).float().contiguous()
-            return _finish(self.kernels.int8(rows, self.codes, self.scale), x, self.bias)
+            return _finish(self.kernels.int8(rows, self.codes, self.scales), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
         return _finish(y, x, self.bias)
 
     def weight_rows(self, outputs: torch.Tensor) -> torch.Tensor:
         """The dequantized weight rows [len(outputs), in] of the 1-D index `outputs`."""
         if self.kernels is None:
-            return self.codes[outputs].float() * self.scale[outputs].float().unsqueeze(-1)
+            return self.codes[outputs].float() * self.scales[outputs].float().unsqueeze(-1)
         codes = self.kernels.unpack_int8(self.codes, outputs).float().view(len(outputs), -1, GROUP)
-        [scale] = self.kernels.unpack_scales(self.scale, outputs)
+        [scale] = self.kernels.unpack_scales(self.scales, outputs)
         return (codes * scale.float().unsqueeze(-1)).view(len(outputs), self.in_features)
 
     def dequantized(self) -> torch.Tensor:

@@ -88,6 +88,7 @@ class TensorParallel:
         self.pipes = pipes
         self.device = spec.device_of(0)
         self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def launch(cls, spec: ShardSpec, load_shard: LoadShard) -> TensorParallel:
@@ -147,7 +148,8 @@ class TensorParallel:
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
         """From now on a worker that exits calls `on_failure` with what happened."""
-        threading.Thread(target=self._watch, args=(on_failure,), name="tp-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, args=(on_failure,), name="tp-watch", daemon=True)
+        self._watcher.start()
 
     def _watch(self, on_failure: Callable[[str], None]) -> None:
         while not self._closing.wait(WATCH_PERIOD_S):
@@ -159,8 +161,11 @@ class TensorParallel:
                     return
 
     def close(self, healthy: bool = True, timeout: float = 5.0) -> None:
-        """Stops the workers: told to by a STOP step while the group works, else killed."""
+        """Stops the workers (told to by a STOP step while the group works, else killed) and the
+        thread watching them."""
         self._closing.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
         if not healthy:
             timeout = 0.0
         if healthy and all(w.is_alive() for w in self.workers) and dist.is_initialized():

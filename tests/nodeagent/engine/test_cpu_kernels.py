@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import threading
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from polling import wait_until
 
 from nodeagent.engine import cpu_kernels
 from nodeagent.engine.quant import Int4Linear, Int8Linear
@@ -180,8 +182,23 @@ def test_a_forked_child_runs_the_kernels_without_its_parents_workers(kind):
     child = os.fork()
     if child == 0:
         os._exit(0 if torch.equal(projection(rows), want) else 1)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert _exit_code(child, timeout=30.0) == 0
+
+
+def _exit_code(child: int, timeout: float) -> int | None:
+    """The child's exit code, or None where it had not ended within `timeout` (it is killed)."""
+    statuses = []
+
+    def ended() -> bool:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        statuses.append(status)
+        return pid == child
+
+    if wait_until(ended, timeout):
+        return os.waitstatus_to_exitcode(statuses[-1])
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    return None
 
 
 def test_a_q8_0_block_comes_back_exactly_from_int8():

@@ -84,7 +84,8 @@ def test_eight_lanes_with_preemption_give_each_the_tokens_it_gets_alone(engines)
             background(lambda i=i, p=p, e=engine: sampled(e, p, 40, seed=i), timeout=120) for i, p in enumerate(PROMPTS)
         ]
         assert [w() for w in waits] == alone
-    assert all(e._scheduler.preemptions > b for e, b in zip(engines, before)), "the pool was meant to run dry"
+    grown = [e._scheduler.preemptions > b for e, b in zip(engines, before, strict=True)]
+    assert all(grown), "the pool was meant to run dry"
 
 
 def test_the_logits_match_within_1e_4(engines):
