@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,27 +140,40 @@ class CpuKernels:
     def int4(self, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """rows [m, k] fp32 contiguous times w = scale * code + minimum (`packed` [n, k/2] from
         `pack_int4`, `scales` from `pack_scales(scale, minimum)`), as [m, n] fp32."""
-        out = torch.empty(rows.shape[0], packed.shape[0])
-        self._check(self._int4(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                               *self._shape(rows, packed)))
-        return out
+        return self.bound(4, packed, scales)(rows)
 
     def int8(self, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """rows [m, k] fp32 contiguous times w = scale * code (`packed` [n, k] int8 from
         `pack_int8`, `scales` from `pack_scales(scale)`), as [m, n] fp32."""
-        out = torch.empty(rows.shape[0], packed.shape[0])
-        self._check(self._int8(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                               *self._shape(rows, packed)))
-        return out
+        return self.bound(8, packed, scales)(rows)
 
-    def _shape(self, rows: torch.Tensor, packed: torch.Tensor) -> tuple[int, int, int, int]:
-        count, columns = rows.shape
-        return count, packed.shape[0], columns, TILE_ROWS if self.tiles else count + 1
+    def bound(self, bits: int, packed: torch.Tensor, scales: torch.Tensor) -> BoundWeight:
+        """The product by one packed weight, for a projection to call at every step."""
+        columns = packed.shape[1] * (2 if bits == 4 else 1)
+        return BoundWeight(self._int4 if bits == 4 else self._int8, packed, scales, columns,
+                           TILE_ROWS if self.tiles else None)
 
-    @staticmethod
-    def _check(status: int) -> None:
-        if status:
+
+class BoundWeight:
+    """rows [m, k] fp32 contiguous times one packed weight, as [m, n] fp32. Its pointers and shape
+    are worked out once: a decode step makes over a hundred of these calls, each a few
+    microseconds of the kernel's own."""
+
+    def __init__(self, function: Callable[..., int], packed: torch.Tensor, scales: torch.Tensor, columns: int,
+                 tile_rows: int | None):
+        self._function = function
+        self._held = (packed, scales)  # the pointers below stay theirs
+        self._weight = (packed.data_ptr(), scales.data_ptr())
+        self._outputs, self._columns, self._tile_rows = packed.shape[0], columns, tile_rows
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        count = rows.shape[0]
+        out = torch.empty(count, self._outputs)
+        tile_rows = count + 1 if self._tile_rows is None else self._tile_rows
+        if self._function(rows.data_ptr(), *self._weight, out.data_ptr(), count, self._outputs, self._columns,
+                          tile_rows):
             raise MemoryError("the CPU kernel could not allocate its buffers")
+        return out
 
 
 def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tensor:
@@ -171,14 +185,16 @@ def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tenso
 
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
-    """The kernels where this process can run them, else None (the reason is logged)."""
-    build, reason = _build_for_here()
-    if build is not None:
+    """The kernels where this process can run them, else None (the reason is logged). A build
+    that fails to compile (an older compiler may lack the AMX flags) gives way to the next."""
+    builds, reason = _builds_for_here()
+    failures = []
+    for build in builds:
         kernels = load(build)
         if isinstance(kernels, CpuKernels):
             return kernels
-        reason = kernels
-    log.info("the node's CPU kernels are not used: %s", reason)
+        failures.append(f"the {build.name} build: {kernels}")
+    log.info("the node's CPU kernels are not used: %s", "; ".join(failures) or reason)
     return None
 
 
@@ -204,24 +220,21 @@ def _tiles(library: ctypes.CDLL) -> bool:
     return False
 
 
-def _build_for_here() -> tuple[Build | None, str]:
-    """The best build this processor runs, or the one `SUPERFLUID_CPU_KERNELS` names; else None
-    and why."""
+def _builds_for_here() -> tuple[list[Build], str]:
+    """The builds this processor runs, best first, or only the one `SUPERFLUID_CPU_KERNELS`
+    names; where there are none, why."""
     asked = os.environ.get("SUPERFLUID_CPU_KERNELS", "1")
     if asked == "0":
-        return None, "SUPERFLUID_CPU_KERNELS=0"
+        return [], "SUPERFLUID_CPU_KERNELS=0"
     named = [build for build in BUILDS if build.name == asked]
     if asked != "1" and not named:
         log.warning("SUPERFLUID_CPU_KERNELS=%s is none of 0, 1, %s; taking the best build here",
                     asked, ", ".join(build.name for build in BUILDS))
     if _compiler() is None:
-        return None, "no C compiler (cc or gcc) on PATH"
-    flags = _cpu_flags()
-    for build in named or BUILDS:
-        if build.cpu_flags <= flags:
-            return build, ""
-    missing = sorted((named or BUILDS)[-1].cpu_flags - flags)
-    return None, "the processor lacks " + ", ".join(missing)
+        return [], "no C compiler (cc or gcc) on PATH"
+    candidates = named or list(BUILDS)
+    runs = [build for build in candidates if runnable(build)]
+    return runs, "" if runs else "the processor lacks " + ", ".join(sorted(candidates[-1].cpu_flags - _cpu_flags()))
 
 
 def runnable(build: Build) -> bool:

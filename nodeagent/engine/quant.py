@@ -154,6 +154,7 @@ class Int8Linear:
         if self.kernels is not None:
             codes, scale = int8_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
             self.codes, self.scales = self.kernels.pack_int8(codes), self.kernels.pack_scales(scale)
+            self.product = self.kernels.bound(8, self.codes, self.scales)
         else:
             self.codes, scale = int8_rows(weight.float())
             self.scales = scale.to(torch.bfloat16)
@@ -163,7 +164,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             rows = x.reshape(-1, self.in_features).float().contiguous()
-            return _finish(self.kernels.int8(rows, self.codes, self.scales), x, self.bias)
+            return _finish(self.product(rows), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
         return _finish(y, x, self.bias)
@@ -226,6 +227,7 @@ class Int4Linear:
             codes, scale, minimum = int4_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
             self.packed = self.kernels.pack_int4(codes)
             self.scales = self.kernels.pack_scales(scale, minimum)
+            self.product = self.kernels.bound(4, self.packed, self.scales)
             scale_bytes = _bytes(self.scales)
         else:
             codes, scale, minimum = int4_groups(weight.float())
@@ -242,7 +244,7 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             rows = x.reshape(-1, self.in_features).float().contiguous()
-            return _finish(self.kernels.int4(rows, self.packed, self.scales), x, self.bias)
+            return _finish(self.product(rows), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
             y = self._unpacked_product(rows)
@@ -337,7 +339,9 @@ def _blocked_codes(packed: torch.Tensor, rows: int, columns: int, width: int) ->
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel's rows back in x's shape and dtype, plus the bias."""
-    y = y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 
 

@@ -5,6 +5,7 @@ the node falls back where they cannot run."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import signal
 import threading
@@ -47,7 +48,7 @@ def each_build(request, monkeypatch):
 def _kernels_or_skip() -> cpu_kernels.CpuKernels:
     kernels = cpu_kernels.cpu_kernels()
     if kernels is None:
-        pytest.skip("no node CPU kernels here: " + (cpu_kernels._build_for_here()[1] or "they failed to load"))
+        pytest.skip("no node CPU kernels here: " + (cpu_kernels._builds_for_here()[1] or "they failed to load"))
     return kernels
 
 
@@ -96,12 +97,14 @@ def test_a_kernel_multiplies_by_its_weight_with_activations_kept_to_12_bits(
 @pytest.mark.parametrize("kind", FORMATS)
 def test_the_vector_and_tile_paths_give_the_same_bits(kind):
     projection = _projection(kind, 1536, 576, seed=2)
-    vector_only = copy.copy(projection)
-    vector_only.kernels = copy.copy(projection.kernels)
-    vector_only.kernels.tiles = False
+    vector_only = copy.copy(projection.kernels)
+    vector_only.tiles = False
+    bits = 4 if kind is Int4Linear else 8
+    on_vectors = vector_only.bound(bits, *((projection.packed, projection.scales) if bits == 4
+                                           else (projection.codes, projection.scales)))
     for count in (1, 2, 5, 16, 33, 100):
         rows = _rows(count, 576, seed=count)
-        assert torch.equal(projection(rows), vector_only(rows))
+        assert torch.equal(projection(rows), on_vectors(rows))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -258,6 +261,16 @@ def test_a_compiler_that_fails_leaves_torchs_kernels_and_says_why(fresh_kernels,
         assert cpu_kernels.cpu_kernels() is None
     assert "building it failed" in caplog.text
     assert Int8Linear(torch.randn(576, 576)).kernels is None
+
+
+def test_a_build_that_fails_to_compile_gives_way_to_the_next(fresh_kernels, monkeypatch):
+    """An older compiler may lack the AVX-512 build's AMX flags; the AVX2 build then runs."""
+    avx2 = next(build for build in cpu_kernels.BUILDS if build.name == "avx2")
+    if not cpu_kernels.runnable(avx2):
+        pytest.skip("this processor cannot run the AVX2 build")
+    broken = dataclasses.replace(avx2, name="broken", flags=("-mno-such-flag",))
+    monkeypatch.setattr(cpu_kernels, "BUILDS", (broken, avx2))
+    assert _kernels_or_skip().build == avx2
 
 
 def test_the_build_is_cached_by_source(fresh_kernels, tmp_path):
