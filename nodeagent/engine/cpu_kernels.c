@@ -22,6 +22,7 @@
  */
 #include <immintrin.h>
 #include <limits.h>
+#include <math.h>
 #include <linux/futex.h>
 #include <omp.h>
 #include <pthread.h>
@@ -215,12 +216,38 @@ static void vectored(const float *x, const activations *a, const weight *w, floa
     pooled(&(call){a, w, y, m, n, k_all, 0});
 }
 
-static int product(const float *x, const weight *w, float *y, int m, int n, int k_all, int tile_rows) {
+#define SQUARE_LANES 8  /* partial sums of an RMSNorm's squares, added in a fixed order */
+
+/* Each row of x scaled to a root mean square of one and times `norm` (RMSNorm), into `out`. The
+ * squares add up in double, in one fixed order, so the scale is near exact and every build gives
+ * the same bits. */
+static void rms_normed(const float *x, const float *norm, float eps, float *out, int m, int k_all) {
+    for (int r = 0; r < m; r++) {
+        const float *row = x + (size_t)r * k_all;
+        double lanes[SQUARE_LANES] = {0}, squares = 0;
+        for (int i = 0; i < k_all; i += SQUARE_LANES)
+            for (int l = 0; l < SQUARE_LANES; l++)
+                lanes[l] += (double)row[i + l] * row[i + l];
+        for (int l = 0; l < SQUARE_LANES; l++)
+            squares += lanes[l];
+        float scale = (float)(1.0 / sqrt(squares / k_all + eps));
+        for (int i = 0; i < k_all; i++)
+            out[(size_t)r * k_all + i] = row[i] * scale * norm[i];
+    }
+}
+
+static int product(const float *x, const weight *w, float *y, int m, int n, int k_all, int tile_rows,
+                   const float *norm, float eps) {
     int groups = k_all / GROUP, status = 0;
     activations a = {malloc((size_t)m * k_all * 2), malloc((size_t)m * groups * 4), malloc((size_t)m * groups * 4)};
-    if (a.halves == NULL || a.step == NULL || a.total == NULL) {
-        free(a.halves), free(a.step), free(a.total);
+    float *normed = norm == NULL ? NULL : malloc((size_t)m * k_all * 4);
+    if (a.halves == NULL || a.step == NULL || a.total == NULL || (norm != NULL && normed == NULL)) {
+        free(a.halves), free(a.step), free(a.total), free(normed);
         return -1;
+    }
+    if (norm != NULL) {
+        rms_normed(x, norm, eps, normed, m, k_all);
+        x = normed;
     }
 #ifdef HAS_TILES
     if (m >= tile_rows)
@@ -228,22 +255,23 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
     else
 #endif
         vectored(x, &a, w, y, m, n, k_all);
-    free(a.halves), free(a.step), free(a.total);
+    free(a.halves), free(a.step), free(a.total), free(normed);
     return status;
 }
 
 /* y[m, n] = x[m, k_all] @ W.T in fp32, w = scale * code + minimum with codes 0..15, the scales laid
- * out as `weight` says. Calls of `tile_rows` rows or more take the tile path (pass more rows than
- * any call has where the process has no tiles). Returns -1 where memory ran out. */
+ * out as `weight` says. Where `norm` is not NULL, x's rows are RMSNormed with it (and `eps`) first.
+ * Calls of `tile_rows` rows or more take the tile path (pass more rows than any call has where the
+ * process has no tiles). Returns -1 where memory ran out. */
 int sf_int4_mm(const float *x, const uint8_t *codes, const uint16_t *scales, float *y, int m, int n, int k_all,
-               int tile_rows) {
+               int tile_rows, const float *norm, float eps) {
     weight w = {codes, scales, 4};
-    return product(x, &w, y, m, n, k_all, tile_rows);
+    return product(x, &w, y, m, n, k_all, tile_rows, norm, eps);
 }
 
 /* The same for int8: w = scale * code, codes -128..127. */
 int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, float *y, int m, int n, int k_all,
-               int tile_rows) {
+               int tile_rows, const float *norm, float eps) {
     weight w = {(const uint8_t *)codes, scales, 8};
-    return product(x, &w, y, m, n, k_all, tile_rows);
+    return product(x, &w, y, m, n, k_all, tile_rows, norm, eps);
 }

@@ -77,10 +77,10 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL, build: Build, tiles: bool):
         self._int4 = library.sf_int4_mm
         self._int4.restype = ctypes.c_int
-        self._int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        self._int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_float]
         self._int8 = library.sf_int8_mm
         self._int8.restype = ctypes.c_int
-        self._int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        self._int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_float]
         self.build = build
         #: Whether calls of `TILE_ROWS` rows or more run on AMX tiles.
         self.tiles = tiles
@@ -166,12 +166,14 @@ class BoundWeight:
         self._weight = (packed.data_ptr(), scales.data_ptr())
         self._outputs, self._columns, self._tile_rows = packed.shape[0], columns, tile_rows
 
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """`norm` (fp32 [k], contiguous): the rows are RMSNormed with it and `eps` first, in the
+        kernel's own pass over them."""
         count = rows.shape[0]
         out = torch.empty(count, self._outputs)
         tile_rows = count + 1 if self._tile_rows is None else self._tile_rows
         if self._function(rows.data_ptr(), *self._weight, out.data_ptr(), count, self._outputs, self._columns,
-                          tile_rows):
+                          tile_rows, None if norm is None else norm.data_ptr(), eps):
             raise MemoryError("the CPU kernel could not allocate its buffers")
         return out
 

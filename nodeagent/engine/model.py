@@ -18,7 +18,14 @@ import torch.nn.functional as F
 
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear, tied_layout
-from nodeagent.engine.quant import Int4Linear, Int8Embedding, Int8Head, Int8Linear, quantized_linear
+from nodeagent.engine.quant import (
+    Int4Linear,
+    Int8Embedding,
+    Int8Head,
+    Int8Linear,
+    normed_projection,
+    quantized_linear,
+)
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table, rotate_in_place
 
 
@@ -158,14 +165,12 @@ class LlamaModel:
         """One decoder layer on x [B,C,D]; `freqs` from `rope` for the positions of x."""
         c, w = self.config, self.layers[index]
         batch, chunk = x.shape[:2]
-        h = F.rms_norm(x, (c.hidden_size,), w.input_norm, c.rms_norm_eps)
-        qkv = w.qkv(h)
+        qkv = normed_projection(w.qkv, x, w.input_norm, c.rms_norm_eps)
         rotate_in_place(qkv[..., : self._qk_width].unflatten(-1, (-1, c.head_dim)), freqs)
         q = qkv[..., : self._q_width].unflatten(-1, (c.n_heads, c.head_dim))
         kv = qkv[..., self._q_width :].view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
         x = x + self._summed(w.o(attend(index, q, kv)))
-        h = F.rms_norm(x, (c.hidden_size,), w.post_norm, c.rms_norm_eps)
-        gate, up = w.gate_up(h).chunk(2, dim=-1)
+        gate, up = normed_projection(w.gate_up, x, w.post_norm, c.rms_norm_eps).chunk(2, dim=-1)
         return x + self._summed(w.down(F.silu(gate) * up))
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +152,7 @@ class Int8Linear:
                 f"an int8 weight needs columns a multiple of {INT8_COLUMN_MULTIPLE}; got {list(weight.shape)}"
             )
         self.kernels = _node_kernels(weight)
+        self.product: cpu_kernels.BoundWeight | None = None
         if self.kernels is not None:
             codes, scale = int8_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
             self.codes, self.scales = self.kernels.pack_int8(codes), self.kernels.pack_scales(scale)
@@ -162,9 +164,8 @@ class Int8Linear:
         self.nbytes = self.codes.numel() + _bytes(self.scales) + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            rows = x.reshape(-1, self.in_features).float().contiguous()
-            return _finish(self.product(rows), x, self.bias)
+        if self.product is not None:
+            return _finish(self.product(_rows(x, self.in_features)), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
         return _finish(y, x, self.bias)
@@ -223,6 +224,7 @@ class Int4Linear:
                 f"got {list(weight.shape)}"
             )
         self.kernels = _node_kernels(weight)
+        self.product: cpu_kernels.BoundWeight | None = None
         if self.kernels is not None:
             codes, scale, minimum = int4_groups(weight.float(), cpu_kernels.SCALE_DTYPE)
             self.packed = self.kernels.pack_int4(codes)
@@ -242,9 +244,8 @@ class Int4Linear:
         self.nbytes = self.packed.numel() + scale_bytes + _bytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            rows = x.reshape(-1, self.in_features).float().contiguous()
-            return _finish(self.product(rows), x, self.bias)
+        if self.product is not None:
+            return _finish(self.product(_rows(x, self.in_features)), x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
             y = self._unpacked_product(rows)
@@ -335,6 +336,22 @@ def _blocked_codes(packed: torch.Tensor, rows: int, columns: int, width: int) ->
     `width` rows whose byte j holds row j (low nibble) and row j + width/2 (high)."""
     halves = packed.view(rows // width, columns, width // 2)
     return torch.cat([halves & 15, halves >> 4], -1)
+
+
+def normed_projection(
+    projection: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """projection(RMSNorm(x) * norm). A projection on the node's CPU kernels takes the norm into
+    the pass that quantizes x: one call where torch's norm and the product were two."""
+    if isinstance(projection, (Int4Linear, Int8Linear)) and projection.product is not None:
+        rows = _rows(x, projection.in_features)
+        return _finish(projection.product(rows, norm.float().contiguous(), eps), x, projection.bias)
+    return projection(F.rms_norm(x, (x.shape[-1],), norm, eps))
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as the kernels take it: fp32 rows [m, width], contiguous."""
+    return x.reshape(-1, width).float().contiguous()
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

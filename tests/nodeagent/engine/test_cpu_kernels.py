@@ -12,12 +12,13 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from polling import wait_until
 
 from nodeagent.engine import cpu_kernels
-from nodeagent.engine.quant import Int4Linear, Int8Linear
+from nodeagent.engine.quant import Int4Linear, Int8Linear, normed_projection
 
 #: Activations keep 12 bits against their group's largest, so products stay near 2^-11.
 TOLERANCE = 2e-3
@@ -122,11 +123,25 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(bits, out_features, in_feat
     else:
         codes = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
         packed = wide.pack_int8(codes)
-    packed_scales = wide.pack_scales(*scales)
+    products = [kernels.bound(bits, packed, wide.pack_scales(*scales)) for kernels in (wide, narrow)]
+    norm = torch.rand(in_features, generator=generator) + 0.5
     for count in (1, 2, 3, 4, 5, 17, 130):
         rows = _rows(count, in_features, seed=count)
-        products = [getattr(kernels, f"int{bits}")(rows, packed, packed_scales) for kernels in (wide, narrow)]
-        assert torch.equal(*products)
+        assert torch.equal(*(product(rows) for product in products))
+        assert torch.equal(*(product(rows, norm, 1e-5) for product in products))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("count", [1, 5, 40])
+def test_a_norm_taken_into_the_kernel_is_torchs_rms_norm_then_the_product(kind, count):
+    projection = _projection(kind, 192, 576, seed=count)
+    x = _rows(count, 576, seed=9).view(1, count, 576)
+    norm = torch.rand(576, generator=torch.Generator().manual_seed(count)) + 0.5
+    fused = normed_projection(projection, x, norm, 1e-5)
+    apart = projection(F.rms_norm(x, (576,), norm, 1e-5))
+    assert fused.shape == apart.shape == (1, count, 192)
+    assert _relative(fused.view(count, -1), apart.view(count, -1).double()) < TOLERANCE
+    assert torch.equal(fused[:, -1:], normed_projection(projection, x[:, -1:], norm, 1e-5))
 
 
 @pytest.mark.parametrize("kind", FORMATS)

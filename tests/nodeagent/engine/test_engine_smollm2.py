@@ -89,7 +89,7 @@ class Floor:
 #: with its prefill unpacked (--fast-prefill) too: these forward passes of 100+ rows all take
 #: the unpacked path.
 QUANTIZED_FLOORS = {
-    "int4 node kernels": Floor(0.99, 0.25, 0.01),
+    "int4 node kernels": Floor(0.99, 0.25, 0.02),
     "int8 node kernels": Floor(0.98, 1.5, None),
     "int4 torch": Floor(0.97, 2.0, 0.25),
     "int4 torch fast prefill": Floor(0.97, 2.0, 0.25),
