@@ -59,7 +59,9 @@ static inline __m256 from_fp16(const uint16_t *at) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
 }
 
-/* acc + this group's share for 8 outputs, from D (exact); `scales` at those outputs' first. */
+/* acc + this group's share for 8 outputs, from D (exact); `scales` at those outputs' first. The
+ * AVX-512 build's finish_group at half the width: the same operations in the same order, on which
+ * the two builds' equal bits rest. */
 static inline __m256 finish_group(__m256 acc, __m256i d, const uint16_t *scales, int bits, float step,
                                   float total) {
     __m256 t = _mm256_mul_ps(from_fp16(scales), _mm256_cvtepi32_ps(d));
