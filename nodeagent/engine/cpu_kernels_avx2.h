@@ -97,7 +97,8 @@ static inline __attribute__((always_inline)) void group_d(const activations *a, 
             if (bits == 8)
                 high = _mm256_sign_epi8(high, c), low = _mm256_sign_epi8(low, c);
             __m256i pairs = _mm256_maddubs_epi16(size, high);
-            hs[r] = bits == 4 ? _mm256_add_epi16(hs[r], pairs) : _mm256_add_epi32(hs[r], _mm256_madd_epi16(pairs, ones));
+            hs[r] = bits == 4 ? _mm256_add_epi16(hs[r], pairs)
+                              : _mm256_add_epi32(hs[r], _mm256_madd_epi16(pairs, ones));
             ls[r] = _mm256_add_epi16(ls[r], _mm256_maddubs_epi16(size, low));
         }
     }

@@ -49,13 +49,21 @@ static inline __m512 from_fp16(const uint16_t *at) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
 }
 
-/* acc + this group's share for 16 outputs, from D = sum(q * c) (exact); `scales` as in `weight`. */
+/* acc + this group's share for 16 outputs, from D = sum(q * c) (exact), each output's scale and for
+ * int4 minimum. */
+static inline __m512 finish_with(__m512 acc, __m512i d, __m512 scale, __m512 minimum, int bits, float step,
+                                 float total) {
+    __m512 t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(d));
+    if (bits == 4)
+        t = _mm512_fmadd_ps(minimum, _mm512_set1_ps(total), t);
+    return _mm512_fmadd_ps(_mm512_set1_ps(step), t, acc);
+}
+
+/* The same with the fp16 values as `weight` lays them out at `scales`. */
 static inline __m512 finish_group(__m512 acc, __m512i d, const uint16_t *scales, int bits, float step,
                                   float total) {
-    __m512 t = _mm512_mul_ps(from_fp16(scales), _mm512_cvtepi32_ps(d));
-    if (bits == 4)
-        t = _mm512_fmadd_ps(from_fp16(scales + 16), _mm512_set1_ps(total), t);
-    return _mm512_fmadd_ps(_mm512_set1_ps(step), t, acc);
+    __m512 minimum = bits == 4 ? from_fp16(scales + 16) : _mm512_setzero_ps();
+    return finish_with(acc, d, from_fp16(scales), minimum, bits, step, total);
 }
 
 /* A group's codes for 16 outputs as eight vectors of unsigned bytes, one per 4 inputs: int4
@@ -205,14 +213,20 @@ static void tile_groups(const activations *a, const weight *w, const uint8_t *ti
                 int8_sums(b, b + tile_stride, sums[0]);
                 int8_sums(b + 2 * tile_stride, b + 3 * tile_stride, sums[1]);
             }
+            __m512 scale[4], minimum[4];
+            for (int t = 0; t < 4; t++) {
+                const uint16_t *values = group_scales(w, t, all_groups, g);
+                scale[t] = from_fp16(values);
+                minimum[t] = w->bits == 4 ? from_fp16(values + 16) : _mm512_setzero_ps();
+            }
             for (int r = 0; r < rows; r++) {
                 size_t at = (size_t)(m0 + r) * all_groups + g;
                 float *out = acc + (size_t)(m0 + r) * BLOCK;
                 for (int t = 0; t < 4; t++) {
                     __m512 prior = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out + 16 * t);
-                    _mm512_store_ps(out + 16 * t, finish_group(prior, tile_d(sums, w->bits, r, t),
-                                                               group_scales(w, t, all_groups, g), w->bits,
-                                                               a->step[at], a->total[at]));
+                    __m512 sum = finish_with(prior, tile_d(sums, w->bits, r, t), scale[t], minimum[t], w->bits,
+                                             a->step[at], a->total[at]);
+                    _mm512_store_ps(out + 16 * t, sum);
                 }
             }
         }
