@@ -228,15 +228,20 @@ def _builds_for_here() -> tuple[list[Build], str]:
     asked = os.environ.get("SUPERFLUID_CPU_KERNELS", "1")
     if asked == "0":
         return [], "SUPERFLUID_CPU_KERNELS=0"
-    named = [build for build in BUILDS if build.name == asked]
-    if asked != "1" and not named:
+    named = named_build(asked)
+    if asked != "1" and named is None:
         log.warning("SUPERFLUID_CPU_KERNELS=%s is none of 0, 1, %s; taking the best build here",
                     asked, ", ".join(build.name for build in BUILDS))
     if _compiler() is None:
         return [], "no C compiler (cc or gcc) on PATH"
-    candidates = named or list(BUILDS)
+    candidates = list(BUILDS) if named is None else [named]
     runs = [build for build in candidates if runnable(build)]
     return runs, "" if runs else "the processor lacks " + ", ".join(sorted(candidates[-1].cpu_flags - _cpu_flags()))
+
+
+def named_build(name: str) -> Build | None:
+    """The build called `name` ("avx512", "avx2"), or None."""
+    return next((build for build in BUILDS if build.name == name), None)
 
 
 def runnable(build: Build) -> bool:

@@ -37,7 +37,7 @@ def fresh_kernels(monkeypatch, tmp_path):
 @pytest.fixture(params=[build.name for build in cpu_kernels.BUILDS])
 def each_build(request, monkeypatch):
     """The projections made in the test run on each build of the kernels this processor runs."""
-    build = next(build for build in cpu_kernels.BUILDS if build.name == request.param)
+    build = _build(request.param)
     if not cpu_kernels.runnable(build):
         pytest.skip(f"this processor cannot run the {build.name} build")
     monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", build.name)
@@ -51,6 +51,12 @@ def _kernels_or_skip() -> cpu_kernels.CpuKernels:
     if kernels is None:
         pytest.skip("no node CPU kernels here: " + (cpu_kernels._builds_for_here()[1] or "they failed to load"))
     return kernels
+
+
+def _build(name: str) -> cpu_kernels.Build:
+    build = cpu_kernels.named_build(name)
+    assert build is not None
+    return build
 
 
 def _loaded_or_skip(build: cpu_kernels.Build) -> cpu_kernels.CpuKernels:
@@ -254,7 +260,7 @@ def test_the_switches_turn_the_kernels_and_their_tiles_off(fresh_kernels, monkey
 
 
 def test_the_switch_picks_the_avx2_build_and_warns_of_a_name_it_does_not_know(fresh_kernels, monkeypatch, caplog):
-    avx2 = next(build for build in cpu_kernels.BUILDS if build.name == "avx2")
+    avx2 = _build("avx2")
     if not cpu_kernels.runnable(avx2):
         pytest.skip("this processor cannot run the AVX2 build")
     monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", "avx2")
@@ -280,7 +286,7 @@ def test_a_compiler_that_fails_leaves_torchs_kernels_and_says_why(fresh_kernels,
 
 def test_a_build_that_fails_to_compile_gives_way_to_the_next(fresh_kernels, monkeypatch):
     """An older compiler may lack the AVX-512 build's AMX flags; the AVX2 build then runs."""
-    avx2 = next(build for build in cpu_kernels.BUILDS if build.name == "avx2")
+    avx2 = _build("avx2")
     if not cpu_kernels.runnable(avx2):
         pytest.skip("this processor cannot run the AVX2 build")
     broken = dataclasses.replace(avx2, name="broken", flags=("-mno-such-flag",))
