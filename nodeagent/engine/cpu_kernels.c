@@ -2,7 +2,7 @@
  * Two builds of this file, loaded by nodeagent/engine/cpu_kernels.py: AVX-512 VNNI for calls of a
  * few rows and AMX int8 tiles for more (cpu_kernels_avx512.h), or AVX2 for every call
  * (cpu_kernels_avx2.h, built with SF_AVX2). This file holds what they share: the layouts, the
- * worker pool and the entry points.
+ * vector path's threads and the entry points.
  *
  * Every sum is an exact integer, so every path gives the same bits and a row's products never
  * depend on the rows beside it (decode and a prefill of the same tokens agree to the bit):
@@ -21,12 +21,8 @@
  * product reads its weight in two streams.
  */
 #include <immintrin.h>
-#include <limits.h>
 #include <math.h>
-#include <linux/futex.h>
 #include <omp.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,8 +35,7 @@
 #define SPLIT_BITS 4           /* q = 2^SPLIT_BITS * high + low */
 #define QMAX 2039.0f           /* |q| whose high byte still fits int8: 127 * 16 + 7 */
 #define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
-#define MAX_THREADS 64
-#define CHUNKS_PER_THREAD 4    /* a call's share of work each thread may claim */
+#define CHUNKS_PER_THREAD 4    /* the vector path's chunks of work per thread */
 
 /* A weight: codes, fp16 scales and its code width. For each 16 outputs (a column tile) the scales
  * run group by group, 16 scales and for int4 then 16 minimums: a tile's scales are one stream. */
@@ -97,123 +92,19 @@ static void vector_rows(const activations *a, const weight *w, int t, float *y, 
     }
 }
 
-/* Vector-path calls run on a pool of their own rather than OpenMP's (called from the scheduler's
- * thread, libgomp counted more threads than CPUs on a small machine and made every call wait for
- * a wake-up). A call's column tiles come in chunks that the caller and the workers claim until
- * none is left: the caller starts at once and, where a worker wakes late or the node's other
- * threads hold a core, takes its share too. Workers sleep between calls rather than spin: on two
- * cores a spinning worker held the core that the connection loop and torch's threads needed. */
-typedef struct {
-    const activations *a;
-    const weight *w;
-    float *y;
-    int m, n, k_all, chunks;
-} call;
-
-static struct {
-    pthread_mutex_t lock;  /* one caller at a time */
-    atomic_uint generation;  /* bumped for each call; sleeping workers wait on it */
-    _Atomic uint64_t claims;  /* the call's generation, its chunk count and the next chunk to claim */
-    atomic_int done, sleepers;  /* chunks finished in this call; workers asleep */
-    const call *job;
-    int workers;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-static uint64_t claims_of(unsigned generation, int chunks, int next) {
-    return (uint64_t)generation << 32 | (uint64_t)chunks << 16 | (uint64_t)next;
-}
-
-/* The next chunk of call `generation`, or -1 when none is left or that call is over. */
-static int claim(unsigned generation) {
-    uint64_t now = atomic_load(&pool.claims);
-    while ((unsigned)(now >> 32) == generation && (now & 0xFFFF) < ((now >> 16) & 0xFFFF))
-        if (atomic_compare_exchange_weak(&pool.claims, &now, now + 1))
-            return (int)(now & 0xFFFF);
-    return -1;
-}
-
-/* Runs chunks of call `generation` until none is left. A claimed chunk keeps the call open (its
- * caller waits for every chunk), so `pool.job` is that call's while the chunk runs. */
-static void work(unsigned generation) {
-    for (int chunk; (chunk = claim(generation)) >= 0; atomic_fetch_add(&pool.done, 1)) {
-        const call *c = pool.job;
-        int tiles = c->n / 16;
-        for (int t = tiles * chunk / c->chunks; t < tiles * (chunk + 1) / c->chunks; t++)
-            vector_rows(c->a, c->w, t, c->y, c->m, c->n, c->k_all);
-    }
-}
-
-static void *pool_worker(void *arg) {
-    unsigned seen = *(unsigned *)arg;
-    free(arg);
-    for (;;) {
-        unsigned now;
-        while ((now = atomic_load(&pool.generation)) == seen) {
-            atomic_fetch_add(&pool.sleepers, 1);
-            syscall(SYS_futex, &pool.generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-            atomic_fetch_sub(&pool.sleepers, 1);
-        }
-        seen = now;
-        work(now);
-    }
-    return NULL;
-}
-
-/* A forked child has none of the parent's workers. */
-static void forget_workers(void) {
-    pthread_mutex_init(&pool.lock, NULL);
-    pool.workers = 0;
-    atomic_store(&pool.sleepers, 0);
-}
-
-static void watch_forks(void) {
-    pthread_atfork(NULL, NULL, forget_workers);
-}
-
-/* Starts workers up to `wanted` (with the caller, `wanted` + 1 threads); how many there are. */
-static int hire(int wanted) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, watch_forks);
-    while (pool.workers < wanted) {
-        unsigned *seen = malloc(sizeof *seen);
-        pthread_t thread;
-        if (seen == NULL)
-            break;
-        *seen = atomic_load(&pool.generation);
-        if (pthread_create(&thread, NULL, pool_worker, seen) != 0) {
-            free(seen);
-            break;
-        }
-        pthread_detach(thread);
-        pool.workers++;
-    }
-    return pool.workers;
-}
-
-static void pooled(call *c) {
-    pthread_mutex_lock(&pool.lock);
-    int threads = omp_get_max_threads();
-    int workers = hire((threads < MAX_THREADS ? threads : MAX_THREADS) - 1);
-    int tiles = c->n / 16, most = CHUNKS_PER_THREAD * (workers + 1);
-    c->chunks = tiles < most ? tiles : most;
-    pool.job = c;
-    atomic_store(&pool.done, 0);
-    unsigned generation = atomic_load(&pool.generation) + 1;
-    atomic_store(&pool.claims, claims_of(generation, c->chunks, 0));
-    atomic_store(&pool.generation, generation);
-    if (atomic_load(&pool.sleepers) > 0)
-        syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    work(generation);
-    while (atomic_load(&pool.done) < c->chunks)
-        _mm_pause();
-    pthread_mutex_unlock(&pool.lock);
-}
-
-/* The vector path: the rows quantized here, the column tiles shared out on the pool. */
+/* The vector path: the rows quantized here, then the column tiles shared out on OpenMP's team in
+ * chunks that its threads claim as they come free. Called from the node's scheduler thread, that
+ * team is the one torch's own ops run on, whose workers spin a while after each op: they pick the
+ * call up at once, and no second set of threads competes with them for the cores. */
 static void vectored(const float *x, const activations *a, const weight *w, float *y, int m, int n, int k_all) {
     for (int r = 0; r < m; r++)
         quantize_row(x, a, r, k_all);
-    pooled(&(call){a, w, y, m, n, k_all, 0});
+    int tiles = n / 16, most = CHUNKS_PER_THREAD * omp_get_max_threads();
+    int chunks = tiles < most ? tiles : most;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int chunk = 0; chunk < chunks; chunk++)
+        for (int t = tiles * chunk / chunks; t < tiles * (chunk + 1) / chunks; t++)
+            vector_rows(a, w, t, y, m, n, k_all);
 }
 
 #define SQUARE_LANES 8  /* partial sums of an RMSNorm's squares, added in a fixed order */

@@ -180,7 +180,7 @@ def test_packing_keeps_every_code_and_picks_rows(tiles, steps, seed):
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_decode_calls_from_many_threads_at_once_each_get_their_own_product(kind, each_build):
-    """Decode-sized calls run on the kernels' own worker pool, one caller at a time."""
+    """Decode-sized calls from several threads each run on their own thread's OpenMP team."""
     projection = _projection(kind, 1536, 576, seed=4)
     inputs = [_rows(2, 576, seed=seed) for seed in range(6)]
     want = [projection(rows) for rows in inputs]
@@ -199,10 +199,10 @@ def test_decode_calls_from_many_threads_at_once_each_get_their_own_product(kind,
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_a_forked_child_runs_the_kernels_without_its_parents_workers(kind):
+def test_a_forked_child_runs_the_kernels_without_its_parents_threads(kind):
     projection = _projection(kind, 1536, 576, seed=5)
     rows = _rows(1, 576, seed=5)
-    want = projection(rows)  # the parent's pool has its workers now
+    want = projection(rows)  # the parent's OpenMP team has its threads now
     child = os.fork()
     if child == 0:
         os._exit(0 if torch.equal(projection(rows), want) else 1)
