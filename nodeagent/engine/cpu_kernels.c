@@ -35,6 +35,7 @@
 #define SPLIT_BITS 4           /* q = 2^SPLIT_BITS * high + low */
 #define QMAX 2039.0f           /* |q| whose high byte still fits int8: 127 * 16 + 7 */
 #define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
+#define PREFETCH 2048          /* bytes of codes the vector path asks for ahead of its loads */
 #define CHUNKS_PER_THREAD 4    /* the vector path's chunks of work per thread */
 
 /* A weight: codes, fp16 scales and its code width. For each 16 outputs (a column tile) the scales
@@ -63,6 +64,14 @@ typedef struct {
 
 static size_t column_tile_bytes(int bits, int k_all) {
     return (size_t)k_all * 16 * bits / 8;
+}
+
+/* A group's codes, asked for PREFETCH bytes ahead: a one-row product streams its weight at near
+ * the memory's pace only with the loads requested this early. Inlined by force: GCC takes a
+ * function that only prefetches for one without effects and drops calls to it. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *codes, int bits) {
+    for (int o = 0; o < GROUP * bits * 2; o += 64)
+        _mm_prefetch((const char *)codes + PREFETCH + o, _MM_HINT_T0);
 }
 
 #ifdef SF_AVX2

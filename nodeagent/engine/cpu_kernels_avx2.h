@@ -121,7 +121,9 @@ static inline __attribute__((always_inline)) void vector_tile(const activations 
             acc[r] = _mm256_setzero_ps();
         for (int g = 0; g < groups; g++) {
             __m256i d[VECTOR_ROWS];
-            group_d(a, codes + (size_t)g * GROUP * w->bits * 2, w->bits, r0, rows, k_all, g, d);
+            const uint8_t *here = codes + (size_t)g * GROUP * w->bits * 2;
+            prefetch_ahead(here, w->bits);
+            group_d(a, here, w->bits, r0, rows, k_all, g, d);
             const uint16_t *scales = group_scales(w, t, groups, g) + 8 * half;
             for (int r = 0; r < rows; r++) {
                 size_t at = (size_t)(r0 + r) * groups + g;

@@ -91,7 +91,9 @@ static inline __attribute__((always_inline)) void vector_tile(const activations 
         acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m512i quads[QUADS], hs[VECTOR_ROWS], ls[VECTOR_ROWS];
-        group_quads(codes + (size_t)g * GROUP * w->bits * 2, w->bits, quads);
+        const uint8_t *here = codes + (size_t)g * GROUP * w->bits * 2;
+        prefetch_ahead(here, w->bits);
+        group_quads(here, w->bits, quads);
         for (int r = 0; r < rows; r++) {
             const int32_t *h = (const int32_t *)(a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP));
             const int32_t *l = h + QUADS;
