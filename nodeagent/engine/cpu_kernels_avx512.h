@@ -192,6 +192,24 @@ static inline __m512i tile_d(int32_t (*sums)[16 * 64], int bits, int r, int t) {
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part), SPLIT_BITS), _mm512_load_si512(part + 16));
 }
 
+/* One group's share added into each row's four column tiles of acc [rows][BLOCK] (set, for the
+ * block's first group), step and total the rows' own at a stride of `groups`. Specialized by
+ * the caller for code width and first group, so that no test is left in its loop. */
+static inline __attribute__((always_inline)) void finish_rows(int32_t (*sums)[16 * 64], const __m512 *scale,
+                                                              const __m512 *minimum, const float *step,
+                                                              const float *total, size_t groups, float *acc,
+                                                              int rows, int bits, int first) {
+    for (int r = 0; r < rows; r++) {
+        float *out = acc + (size_t)r * BLOCK;
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            __m512 prior = first ? _mm512_setzero_ps() : _mm512_load_ps(out + 16 * t);
+            _mm512_store_ps(out + 16 * t, finish_with(prior, tile_d(sums, bits, r, t), scale[t], minimum[t], bits,
+                                                      step[r * groups], total[r * groups]));
+        }
+    }
+}
+
 /* Groups g0..g0+groups of one block for every row, adding into acc [m][BLOCK]. The B tile of
  * group g0 + i and column tile t is at tiles + i * group_stride + t * tile_stride. */
 static void tile_groups(const activations *a, const weight *w, const uint8_t *tiles, size_t group_stride,
@@ -221,16 +239,17 @@ static void tile_groups(const activations *a, const weight *w, const uint8_t *ti
                 scale[t] = from_fp16(values);
                 minimum[t] = w->bits == 4 ? from_fp16(values + 16) : _mm512_setzero_ps();
             }
-            for (int r = 0; r < rows; r++) {
-                size_t at = (size_t)(m0 + r) * all_groups + g;
-                float *out = acc + (size_t)(m0 + r) * BLOCK;
-                for (int t = 0; t < 4; t++) {
-                    __m512 prior = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out + 16 * t);
-                    __m512 sum = finish_with(prior, tile_d(sums, w->bits, r, t), scale[t], minimum[t], w->bits,
-                                             a->step[at], a->total[at]);
-                    _mm512_store_ps(out + 16 * t, sum);
-                }
-            }
+            const float *step = a->step + (size_t)m0 * all_groups + g;
+            const float *total = a->total + (size_t)m0 * all_groups + g;
+            float *out = acc + (size_t)m0 * BLOCK;
+            if (w->bits == 4 && g == 0)
+                finish_rows(sums, scale, minimum, step, total, all_groups, out, rows, 4, 1);
+            else if (w->bits == 4)
+                finish_rows(sums, scale, minimum, step, total, all_groups, out, rows, 4, 0);
+            else if (g == 0)
+                finish_rows(sums, scale, minimum, step, total, all_groups, out, rows, 8, 1);
+            else
+                finish_rows(sums, scale, minimum, step, total, all_groups, out, rows, 8, 0);
         }
     }
 }
