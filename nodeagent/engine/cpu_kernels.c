@@ -67,8 +67,9 @@ static size_t column_tile_bytes(int bits, int k_all) {
 }
 
 /* A group's codes, asked for PREFETCH bytes ahead: a one-row product streams its weight at near
- * the memory's pace only with the loads requested this early. Inlined by force: GCC takes a
- * function that only prefetches for one without effects and drops calls to it. */
+ * the memory's pace only with the loads requested this early; past a weight's end they are
+ * harmless (a prefetch never faults). Inlined by force: GCC takes a function that only
+ * prefetches for one without effects and drops calls to it. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *codes, int bits) {
     for (int o = 0; o < GROUP * bits * 2; o += 64)
         _mm_prefetch((const char *)codes + PREFETCH + o, _MM_HINT_T0);
