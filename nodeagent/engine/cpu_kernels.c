@@ -75,6 +75,13 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
         _mm_prefetch((const char *)codes + PREFETCH + o, _MM_HINT_T0);
 }
 
+/* 2^f = e^(f ln 2) for |f| <= 1/2 as its Taylor polynomial to f^7 (relative error below 1e-8), and
+ * the least x whose 2^x is taken as normal: the attention kernel's softmax weights. */
+static const float EXP2_TERMS[8] = {1.0f, 0.6931471805599453f, 0.2402265069591007f, 0.05550410866482158f,
+                                    0.009618129107628477f, 0.0013333558146428443f, 0.00015403530393381606f,
+                                    1.525273380405984e-05f};
+#define EXP2_FLOOR -126.0f
+
 #ifdef SF_AVX2
 #include "cpu_kernels_avx2.h"
 #else
@@ -176,3 +183,5 @@ int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, floa
     weight w = {(const uint8_t *)codes, scales, 8};
     return product(x, &w, y, m, n, k_all, tile_rows, norm, eps);
 }
+
+#include "cpu_attention.h"

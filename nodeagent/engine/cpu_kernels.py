@@ -35,8 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-#: The files `SOURCE` includes, one for each build.
-HEADERS = [SOURCE.with_name("cpu_kernels_avx512.h"), SOURCE.with_name("cpu_kernels_avx2.h")]
+#: The files `SOURCE` includes: one for each build, and the attention kernel.
+HEADERS = [SOURCE.with_name(name) for name in ("cpu_kernels_avx512.h", "cpu_kernels_avx2.h", "cpu_attention.h")]
 COMMON_FLAGS = ["-O2", "-fPIC", "-shared", "-fopenmp"]
 TILE_CPU_FLAGS = {"amx_tile", "amx_int8"}
 
@@ -68,6 +68,21 @@ SCALE_DTYPE = torch.float16
 #: From this many rows on a call runs on the tiles: below it the vector path is faster.
 TILE_ROWS = 4
 COMPILE_TIMEOUT_S = 120
+#: Head sizes the attention kernel takes: multiples of one KV block's 16 tokens, up to its stack's.
+ATTENTION_HEAD_DIMS = range(16, 257, 16)
+
+
+class AttentionCall(ctypes.Structure):
+    """`attention_call` of cpu_attention.h."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("new_kv", ctypes.c_void_p),
+        ("q_stride", ctypes.c_long),
+        ("kv_stride", ctypes.c_long),
+        *((name, ctypes.c_void_p) for name in ("slots", "pool", "blocks", "starts", "counts", "out")),
+        *((name, ctypes.c_int) for name in ("batch", "chunk", "heads", "kv_heads", "head_dim", "table", "window")),
+    ]
 
 
 class CpuKernels:
@@ -81,6 +96,9 @@ class CpuKernels:
         self._int8 = library.sf_int8_mm
         self._int8.restype = ctypes.c_int
         self._int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_float]
+        self._attention = library.sf_paged_attention
+        self._attention.restype = ctypes.c_int
+        self._attention.argtypes = [ctypes.POINTER(AttentionCall)]
         self.build = build
         #: Whether calls of `TILE_ROWS` rows or more run on AMX tiles.
         self.tiles = tiles
@@ -152,6 +170,34 @@ class CpuKernels:
         columns = packed.shape[1] * (2 if bits == 4 else 1)
         return BoundWeight(self._int4 if bits == 4 else self._int8, packed, scales, columns,
                            TILE_ROWS if self.tiles else None)
+
+    def attention(self, pool: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                  blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
+        """Stores kv [B,C,2,KV,hd] at `slots` [B*C] of `pool` (one layer of `KVPool.kv`), then
+        attends q [B,C,H,hd] to each lane's blocks [B,NB]: row i of lane b sits at position
+        starts[b] + i and sees the keys up to it (the last `window` of them where window > 0);
+        rows from counts[b] on are padding and give 0. Returns [B,C,H*hd] fp32."""
+        batch, chunk, heads, head_dim = q.shape
+        q, q_stride = _token_rows(q)
+        kv, kv_stride = _token_rows(kv)
+        out = torch.empty(batch, chunk, heads * head_dim)
+        call = AttentionCall(
+            q.data_ptr(), kv.data_ptr(), q_stride, kv_stride,
+            *(t.data_ptr() for t in (slots, pool, blocks, starts, counts, out)),
+            batch, chunk, heads, kv.shape[3], head_dim, blocks.shape[1], window,
+        )
+        if self._attention(ctypes.byref(call)):
+            raise MemoryError("the CPU attention kernel could not allocate its buffers")
+        return out
+
+
+def _token_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t [B,C,...] as rows at a fixed stride (the one returned) with each row's rest contiguous,
+    copied only where it is not so already."""
+    inner = t[0, 0]
+    if not (inner.is_contiguous() and t.stride(0) == t.shape[1] * t.stride(1)):
+        t = t.contiguous()
+    return t, t.stride(1)
 
 
 class BoundWeight:

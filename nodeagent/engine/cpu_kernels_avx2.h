@@ -7,6 +7,8 @@
  * int8 codes go in as |c| with c's sign moved onto the activation (|high| <= 127, so negating it
  * never overflows), one pair at most 2 * 128 * 127 = 32512. */
 
+#define ATTENTION_ROWS 4       /* query rows an attention tile holds in registers */
+
 static inline float max_of(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -133,4 +135,67 @@ static inline __attribute__((always_inline)) void vector_tile(const activations 
         for (int r = 0; r < rows; r++)
             _mm256_storeu_ps(y + (size_t)(r0 + r) * n + 16 * t + 8 * half, acc[r]);
     }
+}
+
+/* Sixteen floats, the attention kernel's vector (cpu_attention.h): two ymm, each operation the
+ * AVX-512 build's on both halves, so the two builds' attention gives the same bits too. */
+typedef struct {
+    __m256 lo, hi;
+} v16;
+
+static inline v16 v16_load(const float *at) {
+    return (v16){_mm256_loadu_ps(at), _mm256_loadu_ps(at + 8)};
+}
+
+static inline void v16_store(float *at, v16 v) {
+    _mm256_storeu_ps(at, v.lo);
+    _mm256_storeu_ps(at + 8, v.hi);
+}
+
+static inline v16 v16_set1(float x) {
+    return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)};
+}
+
+static inline v16 v16_fma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+
+static inline v16 v16_mul(v16 a, v16 b) {
+    return (v16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+
+static inline v16 v16_sub(v16 a, v16 b) {
+    return (v16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+}
+
+static inline float v16_max_all(v16 v) {
+    return max_of(_mm256_max_ps(v.lo, v.hi));
+}
+
+static inline __m256 outside_half(__m256 v, __m256i lane, int from, int to) {
+    __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(from), lane),
+                                  _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(to)));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(out));
+}
+
+/* v with the lanes before `from` and after `to` set to -inf. */
+static inline v16 v16_outside(v16 v, int from, int to) {
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return (v16){outside_half(v.lo, lane, from, to),
+                 outside_half(v.hi, _mm256_add_epi32(lane, _mm256_set1_epi32(8)), from, to)};
+}
+
+static inline __m256 exp2_half(__m256 x) {
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n), p = _mm256_set1_ps(EXP2_TERMS[7]);
+    for (int i = 6; i >= 0; i--)
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TERMS[i]));
+    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(EXP2_FLOOR), _CMP_GE_OQ);
+    return _mm256_and_ps(normal, _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
+}
+
+/* 2^x for x <= 0 (EXP2_TERMS in cpu_attention.h), 0 below the normal range. */
+static inline v16 v16_exp2(v16 x) {
+    return (v16){exp2_half(x.lo), exp2_half(x.hi)};
 }

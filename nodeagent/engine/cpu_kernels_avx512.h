@@ -8,6 +8,7 @@
 #define INT4_TILE_BYTES (2 * TILE_BYTES)  /* the same for int4 codes: 16 c over c, one B tile */
 #define BLOCK 64               /* outputs the tile path takes at once: four column tiles */
 #define CHUNK 8                /* groups the int4 tile path unpacks at a time */
+#define ATTENTION_ROWS 8       /* query rows an attention tile holds in registers */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -308,4 +309,54 @@ static int tiled(const float *x, const activations *a, const weight *w, float *y
         }
     }
     return failed ? -1 : 0;
+}
+
+/* Sixteen floats, the attention kernel's vector (cpu_attention.h): one zmm. */
+typedef __m512 v16;
+
+static inline v16 v16_load(const float *at) {
+    return _mm512_loadu_ps(at);
+}
+
+static inline void v16_store(float *at, v16 v) {
+    _mm512_storeu_ps(at, v);
+}
+
+static inline v16 v16_set1(float x) {
+    return _mm512_set1_ps(x);
+}
+
+static inline v16 v16_fma(v16 a, v16 b, v16 c) {
+    return _mm512_fmadd_ps(a, b, c);
+}
+
+static inline v16 v16_mul(v16 a, v16 b) {
+    return _mm512_mul_ps(a, b);
+}
+
+static inline v16 v16_sub(v16 a, v16 b) {
+    return _mm512_sub_ps(a, b);
+}
+
+static inline float v16_max_all(v16 v) {
+    return _mm512_reduce_max_ps(v);
+}
+
+/* v with the lanes before `from` and after `to` set to -inf. */
+static inline v16 v16_outside(v16 v, int from, int to) {
+    __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 out = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(from)) |
+                    _mm512_cmpgt_epi32_mask(lane, _mm512_set1_epi32(to));
+    return _mm512_mask_mov_ps(v, out, _mm512_set1_ps(-INFINITY));
+}
+
+/* 2^x for x <= 0 (EXP2_TERMS in cpu_attention.h), 0 below the normal range. */
+static inline v16 v16_exp2(v16 x) {
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n), p = _mm512_set1_ps(EXP2_TERMS[7]);
+    for (int i = 6; i >= 0; i--)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TERMS[i]));
+    __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP2_FLOOR), _CMP_GE_OQ);
+    return _mm512_maskz_mul_ps(normal, p, _mm512_castsi512_ps(power));
 }

@@ -2,9 +2,11 @@
 generations through a prefix cache.
 
 A generation owns a list of blocks; its position p lives in slot `block[p // 16] * 16 + p % 16`.
-Writes address slots; reads fetch whole blocks, which copies 16 tokens per index. One extra
-block past the end is scratch: padded query positions write there and padded key positions read
-from there, so a batch never needs a branch for ragged lanes.
+Within a block, each KV head's keys are held transposed ([head_dim, 16], a token per column) and
+its values as they come ([16, head_dim]): the CPU attention kernel (`cpu_attention.h`) scores a
+block's 16 keys as one vector and reads the blocks in place. Elsewhere `read` copies the blocks
+out for SDPA. One extra block past the end is scratch: padded query positions write there and
+padded key positions read from there, so a batch never needs a branch for ragged lanes.
 
 A full block can be published under a key that names its 16 tokens and every token before them
 (`chain_key`); a later prompt with the same start takes the block instead of recomputing it.
@@ -61,7 +63,7 @@ class KVPool:
     ):
         if n_blocks < 1:
             raise ValueError("a KV pool needs at least one block")
-        shape = (n_layers, n_blocks + 1, BLOCK_TOKENS, 2, n_kv_heads, head_dim)
+        shape = (n_layers, n_blocks + 1, 2, n_kv_heads, BLOCK_TOKENS, head_dim)
         self.kv = torch.empty(shape, dtype=dtype, device=device)
         self.total = n_blocks
         self.scratch_block = n_blocks
@@ -163,11 +165,25 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store kv [N,2,KV,hd] at `slots` [N]."""
-        self.kv[layer].view(-1, *kv.shape[1:]).index_copy_(0, slots, kv)
+        block, token = slots // BLOCK_TOKENS, slots % BLOCK_TOKENS
+        _transposed_keys(self.kv[layer])[block, :, :, token] = kv[:, 0]
+        self.kv[layer, :, 1][block, :, token] = kv[:, 1]
 
     def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B,KV,T,hd] of `blocks` [B,nb], T = nb * 16."""
         batch, n_blocks = blocks.shape
         taken = self.kv[layer].index_select(0, blocks.flatten())
-        taken = taken.view(batch, n_blocks * BLOCK_TOKENS, *taken.shape[2:])
-        return taken[:, :, 0].transpose(1, 2), taken[:, :, 1].transpose(1, 2)
+        keys = _transposed_keys(taken).transpose(-1, -2)
+        return _tokens_in_order(keys, batch), _tokens_in_order(taken[:, 1], batch)
+
+
+def _transposed_keys(blocks: torch.Tensor) -> torch.Tensor:
+    """The keys of blocks [N,2,KV,16,hd] as they are held: [N,KV,hd,16]."""
+    return blocks[:, 0].flatten(-2).unflatten(-1, (blocks.shape[-1], BLOCK_TOKENS))
+
+
+def _tokens_in_order(per_block: torch.Tensor, batch: int) -> torch.Tensor:
+    """[B*nb,KV,16,hd] as [B,KV,nb*16,hd]."""
+    n_kv, head_dim = per_block.shape[1], per_block.shape[-1]
+    per_lane = per_block.reshape(batch, -1, n_kv, BLOCK_TOKENS, head_dim).transpose(1, 2)
+    return per_lane.reshape(batch, n_kv, -1, head_dim)

@@ -40,8 +40,9 @@ import torch
 from nodeagent import failpoints
 from nodeagent.daemon import QOS_CLASSES, Consumer, EngineFault, EngineHealth, SchedStats
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS
+from nodeagent.engine.cpu_kernels import ATTENTION_HEAD_DIMS, CpuKernels, cpu_kernels
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
-from nodeagent.engine.model import LlamaModel, grouped_attention
+from nodeagent.engine.model import Attend, LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
 from nodeagent.failpoints import Action, Failpoints, InjectedFault
 from proto import finish
@@ -120,14 +121,7 @@ def forward_batch(model: LlamaModel, pool: KVPool, arange: torch.Tensor, batch: 
         valid = arange[:width] < batch.counts[:, None]
         write = write.masked_fill(~valid, pool.scratch_slot)
         positions = positions.masked_fill(~valid, 0)
-    mask = model.attention_mask(positions, n_blocks * BLOCK_TOKENS)
-    write = write.reshape(-1)
-
-    def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
-        keys, values = pool.read(layer, batch.blocks)
-        return grouped_attention(q, keys, values, mask)
-
+    attend = paged_attend(model, pool, batch, positions, write.reshape(-1))
     x = model.embed(batch.tokens)
     freqs = model.rope(positions)
     for layer in range(model.config.n_layers):
@@ -135,6 +129,37 @@ def forward_batch(model: LlamaModel, pool: KVPool, arange: torch.Tensor, batch: 
     if width == 1:
         return x[:, 0]
     return x[torch.arange(x.shape[0], device=x.device), batch.counts - 1]
+
+
+def paged_attend(model: LlamaModel, pool: KVPool, batch: Batch, positions: torch.Tensor, write: torch.Tensor) -> Attend:
+    """Attention for `batch`'s step, storing each layer's new K/V at `write` first: on the CPU
+    kernel, which reads the pool in place, where it runs; else the lanes' blocks copied out for
+    SDPA under a mask built from `positions`."""
+    kernels = attention_kernels(pool)
+    if kernels is not None:
+        window = model.config.sliding_window or 0
+
+        def attend_in_place(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return kernels.attention(pool.kv[layer], q, kv, write, batch.blocks, batch.starts, batch.counts, window)
+
+        return attend_in_place
+    mask = model.attention_mask(positions, batch.blocks.shape[1] * BLOCK_TOKENS)
+
+    def attend_copied(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
+        keys, values = pool.read(layer, batch.blocks)
+        return grouped_attention(q, keys, values, mask)
+
+    return attend_copied
+
+
+def attention_kernels(pool: KVPool) -> CpuKernels | None:
+    """The CPU kernels where they attend over `pool`: an fp32 pool on the CPU, a head size they
+    take."""
+    kv = pool.kv
+    if kv.device.type != "cpu" or kv.dtype != torch.float32 or kv.shape[-1] not in ATTENTION_HEAD_DIMS:
+        return None
+    return cpu_kernels()
 
 
 def is_out_of_memory(e: BaseException) -> bool:

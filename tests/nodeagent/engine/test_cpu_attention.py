@@ -1,0 +1,191 @@
+"""The CPU attention kernel over the paged KV pool: exact attention to each lane's own keys, the
+same bits for a row whichever chunk, batch or build computes it, and where the node keeps SDPA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeagent.engine import cpu_kernels
+from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for
+from nodeagent.engine.scheduler import attention_kernels
+
+#: fp32 sums of a few hundred terms against float64's.
+TOLERANCE = 1e-5
+KV_HEADS = 2
+
+
+@dataclass
+class Lane:
+    """A lane's tokens: queries [N,H,hd] and keys/values [N,2,KV,hd] at positions 0..N-1, and
+    the pool blocks they live in."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    blocks: list[int]
+
+
+def _kernels(build_name: str | None = None) -> cpu_kernels.CpuKernels:
+    build = cpu_kernels.named_build(build_name) if build_name else None
+    if build is not None:
+        if not cpu_kernels.runnable(build):
+            pytest.skip(f"this processor cannot run the {build.name} build")
+        kernels = cpu_kernels.load(build)
+        if isinstance(kernels, str):
+            pytest.skip(kernels)
+        return kernels
+    found = cpu_kernels.cpu_kernels()
+    if found is None:
+        pytest.skip("no node CPU kernels here")
+    return found
+
+
+def _lanes(pool: KVPool, lengths: list[int], group: int, head_dim: int, seed: int) -> list[Lane]:
+    """Random lanes, their blocks taken from the pool in a shuffled order."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(pool.total, generator=generator).tolist()
+    lanes = []
+    for n in lengths:
+        blocks = [order.pop() for _ in range(blocks_for(n))]
+        q = torch.randn(n, KV_HEADS * group, head_dim, generator=generator)
+        kv = torch.randn(n, 2, KV_HEADS, head_dim, generator=generator)
+        lanes.append(Lane(q, kv, blocks))
+    return lanes
+
+
+def _slots(lane: Lane, positions: range) -> list[int]:
+    return [lane.blocks[p // BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS for p in positions]
+
+
+def _step(kernels, pool: KVPool, lanes: list[Lane], starts: list[int], counts: list[int], window: int):
+    """One kernel call: lane b's rows starts[b]..starts[b]+counts[b]-1, padded to the widest."""
+    width, n_blocks = max(counts), max(len(lane.blocks) for lane in lanes)
+    heads, head_dim = lanes[0].q.shape[1:]
+    q = torch.zeros(len(lanes), width, heads, head_dim)
+    kv = torch.zeros(len(lanes), width, 2, KV_HEADS, head_dim)
+    slots = torch.full((len(lanes), width), pool.scratch_slot)
+    for b, (lane, start, count) in enumerate(zip(lanes, starts, counts, strict=True)):
+        q[b, :count] = lane.q[start : start + count]
+        kv[b, :count] = lane.kv[start : start + count]
+        slots[b, :count] = torch.tensor(_slots(lane, range(start, start + count)))
+    table = torch.tensor([lane.blocks + [pool.scratch_block] * (n_blocks - len(lane.blocks)) for lane in lanes])
+    return kernels.attention(pool.kv[0], q, kv, slots.reshape(-1), table, torch.tensor(starts),
+                             torch.tensor(counts), window)
+
+
+def _exact(lane: Lane, position: int, window: int) -> torch.Tensor:
+    """The attention output [H*hd] of `lane`'s row at `position`, in float64."""
+    first = max(0, position - window + 1) if window else 0
+    heads, head_dim = lane.q.shape[1:]
+    q = lane.q[position].double().view(KV_HEADS, heads // KV_HEADS, head_dim)
+    keys, values = (lane.kv[first : position + 1, i].double().transpose(0, 1) for i in range(2))
+    weights = torch.softmax(q @ keys.transpose(1, 2) / head_dim**0.5, dim=-1)
+    return (weights @ values).reshape(-1)
+
+
+def _pool(head_dim: int, n_blocks: int = 24) -> KVPool:
+    pool = KVPool(1, KV_HEADS, head_dim, n_blocks, torch.float32, torch.device("cpu"))
+    pool.kv.fill_(float("nan"))
+    pool.zero(list(range(n_blocks + 1)))
+    return pool
+
+
+def _store_context(pool: KVPool, lane: Lane, until: int) -> None:
+    """Positions before `until` written as the torch path writes them."""
+    if until:
+        pool.write(0, torch.tensor(_slots(lane, range(until))), lane.kv[:until])
+
+
+@pytest.mark.parametrize("build", [build.name for build in cpu_kernels.BUILDS])
+@settings(max_examples=25, deadline=None)
+@given(
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([16, 64, 128]),
+    shapes=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 40)), min_size=1, max_size=3),
+    window=st.sampled_from([0, 1, 17, 50]),
+    seed=st.integers(0, 2**16),
+)
+def test_each_row_attends_exactly_to_its_own_lanes_keys(build, group, head_dim, shapes, window, seed):
+    kernels = _kernels(build)
+    pool = _pool(head_dim)
+    lanes = _lanes(pool, [start + count for start, count in shapes], group, head_dim, seed)
+    for lane, (start, _) in zip(lanes, shapes, strict=True):
+        _store_context(pool, lane, start)
+    starts, counts = [s for s, _ in shapes], [c for _, c in shapes]
+    out = _step(kernels, pool, lanes, starts, counts, window)
+    for b, (lane, start, count) in enumerate(zip(lanes, starts, counts, strict=True)):
+        for i in range(count):
+            want = _exact(lane, start + i, window)
+            assert float((out[b, i].double() - want).abs().max()) < TOLERANCE * max(1.0, float(want.abs().max()))
+        assert not out[b, count:].any(), "padding rows give 0"
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, 79), max_size=6).map(lambda c: sorted(set(c))),
+    other=st.integers(1, 30),
+    window=st.sampled_from([0, 23]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_row_gives_the_same_bits_whichever_chunk_and_batch_compute_it(cuts, other, window, seed):
+    """A prompt prefilled at once, or in chunks beside another lane, down to one token a step:
+    each row's output is the same to the bit, so decoding after a prefill (or a preemption's
+    recompute, or a prefix-cache hit) goes on exactly as one pass would."""
+    kernels = _kernels()
+    pool = _pool(64)
+    lane, neighbour = _lanes(pool, [80, other], 3, 64, seed)
+    whole = _step(kernels, pool, [lane], [0], [80], window)[0]
+    pool.zero(list(range(pool.total)))
+    edges = [0, *cuts, 80]
+    pieces = []
+    for start, end in zip(edges, edges[1:], strict=False):
+        pieces.append(_step(kernels, pool, [neighbour, lane], [0, start], [other, end - start], window)[1])
+        pieces[-1] = pieces[-1][: end - start]
+    assert torch.equal(torch.cat(pieces), whole)
+
+
+def test_the_avx512_and_avx2_builds_give_the_same_bits():
+    builds = [_kernels(build.name) for build in cpu_kernels.BUILDS]
+    outputs = []
+    for kernels in builds:
+        pool = _pool(64)
+        lanes = _lanes(pool, [70, 33], 4, 64, seed=5)
+        _store_context(pool, lanes[1], 20)
+        outputs.append(_step(kernels, pool, lanes, [0, 20], [70, 13], 0))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_the_torch_path_reads_back_what_it_wrote_in_token_order():
+    pool = _pool(32)
+    lane = _lanes(pool, [40], 1, 32, seed=3)[0]
+    _store_context(pool, lane, 40)
+    keys, values = pool.read(0, torch.tensor([lane.blocks]))
+    assert torch.equal(keys[0, :, :40], lane.kv[:, 0].transpose(0, 1))
+    assert torch.equal(values[0, :, :40], lane.kv[:, 1].transpose(0, 1))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "kernels_env", "in_place"),
+    [
+        (64, torch.float32, "1", True),
+        (8, torch.float32, "1", False),
+        (272, torch.float32, "1", False),
+        (64, torch.bfloat16, "1", False),
+        (64, torch.float32, "0", False),
+    ],
+)
+def test_the_kernel_attends_where_it_takes_the_pool_else_sdpa_does(head_dim, dtype, kernels_env, in_place,
+                                                                   monkeypatch):
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", kernels_env)
+    cpu_kernels.cpu_kernels.cache_clear()
+    try:
+        if in_place:
+            _kernels()
+        pool = KVPool(1, KV_HEADS, head_dim, 2, dtype, torch.device("cpu"))
+        assert (attention_kernels(pool) is not None) == in_place
+    finally:
+        cpu_kernels.cpu_kernels.cache_clear()
