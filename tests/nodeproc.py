@@ -23,7 +23,11 @@ class Noded:
 
     def __init__(self, args, home, ready: re.Pattern | None = SERVING, **env: str | None):
         base = {k: v for k, v in os.environ.items() if k not in ("SUPERFLUID_LOG", "RUST_LOG")}
-        base.update(HOME=str(home), SUPERFLUID_HOME=str(home / ".superfluid"), **env)
+        # The compiled-kernel cache is shared: it is keyed by its sources, and a cold one costs
+        # seconds of every node's load.
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        base.update(HOME=str(home), SUPERFLUID_HOME=str(home / ".superfluid"), XDG_CACHE_HOME=cache)
+        base.update(env)
         base = {k: v for k, v in base.items() if v is not None}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nodeagent", *args],

@@ -286,6 +286,8 @@ class Scheduler:
         self.model = model
         self.threads = threads
         self.pool = pool
+        #: Built here, at load, so a cold compile never runs inside a watched step.
+        self.attention_kernels = attention_kernels(pool)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = prefix_cache

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for
 from nodeagent.engine.model import LlamaModel
-from nodeagent.engine.scheduler import Batch, forward_batch
+from nodeagent.engine.scheduler import Batch, attention_kernels, forward_batch
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,7 @@ def follow(spec: ShardSpec, rank: int, load_shard: LoadShard, pipe: multiprocess
     c = model.config
     model.set_context(context)
     pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, kv_blocks, model.dtype, model.device)
+    attention_kernels(pool)  # built before the first step, which rank 0 waits on
     _join_group(spec, rank)
     model.reduce = all_reduce
     arange = torch.arange(blocks_for(context) * BLOCK_TOKENS, device=model.device)

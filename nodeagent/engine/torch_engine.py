@@ -321,9 +321,13 @@ class TorchDaemon(Daemon):
         return (
             ranks + f"weights {_mb(self.model.weight_bytes())} {self.quantization.format} "
             f"({self.quantization.reason}), kv pool {pool.total} blocks of 16 tokens "
-            f"({_mb(pool.total * block)}, taken as used), "
+            f"({_mb(pool.total * block)}, taken as used{self._attended()}), "
             + ("free memory unknown" if free is None else f"{_mb(free)} free")
         )
+
+    def _attended(self) -> str:
+        kernels = self._scheduler.attention_kernels
+        return "" if kernels is None else f", attended in place on the node's {kernels.build.label} kernels"
 
     def device_memory(self) -> DeviceMemory:
         if self.model.device.type != "cuda":

@@ -255,3 +255,19 @@ def test_the_builtin_torch_model_serves_what_it_serves_in_process(noded):
         gen = head.generate(1, 8, timeout=30)
     assert gen.tokens == want and gen.finish in (finish.LENGTH, finish.EOS)
     assert node.stop() == 0
+
+
+def test_a_cold_kernel_cache_is_built_at_load_not_in_the_first_watched_step(noded, tmp_path):
+    from nodeagent.engine.cpu_kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels build here")
+    args = ("--listen", "127.0.0.1:0", "--model", "builtin", "--device", "cpu", "--engine-stall-timeout-ms", "1000")
+    node = noded(*args, XDG_CACHE_HOME=str(tmp_path / "cold-cache"))
+    assert "attended in place on the node's" in node.lines[0]
+    assert list((tmp_path / "cold-cache" / "superfluid").glob("cpu_kernels-*.so")), "built into the cold cache"
+    with FleetHead.connect(node.addr) as head:
+        head.assign(1)
+        head.append(1, [1, 2, 3])
+        gen = head.generate(1, 8, timeout=30)
+    assert gen.finish == finish.LENGTH and len(gen.tokens) == 8

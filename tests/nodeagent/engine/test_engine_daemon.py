@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from nodeagent.daemon import ModelLoadError, StageError, StageHidden, StageToken
 from nodeagent.engine import open_engine
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_SEED, builtin_model, random_tensors
+from nodeagent.engine.cpu_kernels import cpu_kernels
 from nodeagent.engine.torch_engine import TorchDaemon, scheduler_threads, serving_threads
 
 CPU = torch.device("cpu")
@@ -48,11 +49,12 @@ def test_builtin_daemon_describes_itself_and_generates(builtin):
     assert builtin.max_stream_tokens() == 2048
     described = re.fullmatch(
         r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, (\d+) CPU threads?, "
-        r"weights 69 MB float \(a float checkpoint\), kv pool 409 blocks of 16 tokens \(64 MB, taken as used\), "
-        r"\d+ MB free",
+        r"weights 69 MB float \(a float checkpoint\), kv pool 409 blocks of 16 tokens \(64 MB, taken as used"
+        r"(, attended in place on the node's (AVX2|AVX-512 VNNI) kernels)?\), \d+ MB free",
         builtin.summary(),
     )
     assert int(described.group(1)) == torch.get_num_threads()
+    assert (described.group(2) is not None) == (cpu_kernels() is not None)
     tokens = greedy(builtin, [1, 450, 4996, 17354], 8)
     assert len(tokens) == 8 and all(0 <= t < 32000 for t in tokens)
     assert greedy(builtin, [1, 450, 4996, 17354], 8) == tokens
