@@ -72,69 +72,96 @@ static inline __m256 finish_group(__m256 acc, __m256i d, const uint16_t *scales,
     return _mm256_fmadd_ps(_mm256_set1_ps(step), t, acc);
 }
 
-/* One group's D for 8 outputs (the codes at `codes`, 32 bytes of each UNIT) and `rows` rows. */
+#define PAIR 2  /* rows a tile's inner loop holds: each broadcast of a row's quad feeds both halves */
+
+/* One group's D for 16 outputs, as two halves of 8 (the codes at `codes`, a group's UNITs), and
+ * `rows` (1 or PAIR) rows. A broadcast from memory costs about what a VPMADDUBSW does here, so
+ * each one feeds both halves' products. */
 static inline __attribute__((always_inline)) void group_d(const activations *a, const uint8_t *codes, int bits,
-                                                          int r0, int rows, int k_all, int g, __m256i *d) {
+                                                          int r0, int rows, int k_all, int g, __m256i d[][2]) {
     const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
-    __m256i hs[VECTOR_ROWS], ls[VECTOR_ROWS];
-    const int32_t *h[VECTOR_ROWS];
-#pragma GCC unroll 4
+    __m256i hs[PAIR][2], ls[PAIR][2];
+    const int32_t *h[PAIR];
+#pragma GCC unroll 2
     for (int r = 0; r < rows; r++) {
-        hs[r] = ls[r] = _mm256_setzero_si256();
+        hs[r][0] = hs[r][1] = ls[r][0] = ls[r][1] = _mm256_setzero_si256();
         h[r] = (const int32_t *)(a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP));
     }
 #pragma GCC unroll 8
     for (int p = 0; p < QUADS; p++) {
-        __m256i c;
-        if (bits == 4) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p / 2 * UNIT));
-            c = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(v, 4) : v, nibble);
-        } else {
-            c = _mm256_loadu_si256((const __m256i *)(codes + p * UNIT));
+        __m256i c[2], size[2];
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            if (bits == 4) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p / 2 * UNIT + half * (UNIT / 2)));
+                c[half] = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(v, 4) : v, nibble);
+            } else {
+                c[half] = _mm256_loadu_si256((const __m256i *)(codes + p * UNIT + half * (UNIT / 2)));
+            }
+            size[half] = bits == 4 ? c[half] : _mm256_abs_epi8(c[half]);
         }
-        __m256i size = bits == 4 ? c : _mm256_abs_epi8(c);
-#pragma GCC unroll 4
+#pragma GCC unroll 2
         for (int r = 0; r < rows; r++) {
             __m256i high = _mm256_set1_epi32(h[r][p]), low = _mm256_set1_epi32(h[r][QUADS + p]);
-            if (bits == 8)
-                high = _mm256_sign_epi8(high, c), low = _mm256_sign_epi8(low, c);
-            __m256i pairs = _mm256_maddubs_epi16(size, high);
-            hs[r] = bits == 4 ? _mm256_add_epi16(hs[r], pairs)
-                              : _mm256_add_epi32(hs[r], _mm256_madd_epi16(pairs, ones));
-            ls[r] = _mm256_add_epi16(ls[r], _mm256_maddubs_epi16(size, low));
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                __m256i hi = bits == 8 ? _mm256_sign_epi8(high, c[half]) : high;
+                __m256i lo = bits == 8 ? _mm256_sign_epi8(low, c[half]) : low;
+                __m256i pairs = _mm256_maddubs_epi16(size[half], hi);
+                hs[r][half] = bits == 4 ? _mm256_add_epi16(hs[r][half], pairs)
+                                        : _mm256_add_epi32(hs[r][half], _mm256_madd_epi16(pairs, ones));
+                ls[r][half] = _mm256_add_epi16(ls[r][half], _mm256_maddubs_epi16(size[half], lo));
+            }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            __m256i high = bits == 4 ? _mm256_madd_epi16(hs[r][half], ones) : hs[r][half];
+            d[r][half] = _mm256_add_epi32(_mm256_slli_epi32(high, SPLIT_BITS), _mm256_madd_epi16(ls[r][half], ones));
+        }
+}
+
+/* Column tile `t`'s 16 outputs for `rows` (1 or PAIR) rows from `r0`, summed in y itself: held
+ * in registers across groups, these sums would push the products' sums out of them. */
+static inline __attribute__((always_inline)) void pair_tile(const activations *a, const weight *w, int t, float *y,
+                                                            int r0, int rows, int n, int k_all) {
+    int groups = k_all / GROUP;
+    const uint8_t *codes = w->codes + t * column_tile_bytes(w->bits, k_all);
+    float *out[PAIR];
+#pragma GCC unroll 2
     for (int r = 0; r < rows; r++) {
-        __m256i high = bits == 4 ? _mm256_madd_epi16(hs[r], ones) : hs[r];
-        d[r] = _mm256_add_epi32(_mm256_slli_epi32(high, SPLIT_BITS), _mm256_madd_epi16(ls[r], ones));
+        out[r] = y + (size_t)(r0 + r) * n + 16 * t;
+        _mm256_storeu_ps(out[r], _mm256_setzero_ps());
+        _mm256_storeu_ps(out[r] + 8, _mm256_setzero_ps());
+    }
+    for (int g = 0; g < groups; g++) {
+        __m256i d[PAIR][2];
+        const uint8_t *here = codes + (size_t)g * GROUP * w->bits * 2;
+        prefetch_ahead(here, w->bits);
+        group_d(a, here, w->bits, r0, rows, k_all, g, d);
+        const uint16_t *scales = group_scales(w, t, groups, g);
+#pragma GCC unroll 2
+        for (int r = 0; r < rows; r++) {
+            size_t at = (size_t)(r0 + r) * groups + g;
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                float *sum = out[r] + 8 * half;
+                _mm256_storeu_ps(sum, finish_group(_mm256_loadu_ps(sum), d[r][half], scales + 8 * half, w->bits,
+                                                   a->step[at], a->total[at]));
+            }
+        }
     }
 }
 
-/* The vector path: 16 outputs (column tile `t`) for `rows` rows from `r0`, written to y, as two
- * halves of 8. */
+/* The vector path: column tile `t` for `rows` rows from `r0`, a pair of rows at a time (the
+ * tile's codes stay in cache for the next pair). */
 static inline __attribute__((always_inline)) void vector_tile(const activations *a, const weight *w, int t, float *y,
                                                               int r0, int rows, int n, int k_all) {
-    int groups = k_all / GROUP;
-    for (int half = 0; half < 2; half++) {
-        const uint8_t *codes = w->codes + t * column_tile_bytes(w->bits, k_all) + half * (UNIT / 2);
-        __m256 acc[VECTOR_ROWS];
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm256_setzero_ps();
-        for (int g = 0; g < groups; g++) {
-            __m256i d[VECTOR_ROWS];
-            const uint8_t *here = codes + (size_t)g * GROUP * w->bits * 2;
-            prefetch_ahead(here, w->bits);
-            group_d(a, here, w->bits, r0, rows, k_all, g, d);
-            const uint16_t *scales = group_scales(w, t, groups, g) + 8 * half;
-            for (int r = 0; r < rows; r++) {
-                size_t at = (size_t)(r0 + r) * groups + g;
-                acc[r] = finish_group(acc[r], d[r], scales, w->bits, a->step[at], a->total[at]);
-            }
-        }
-        for (int r = 0; r < rows; r++)
-            _mm256_storeu_ps(y + (size_t)(r0 + r) * n + 16 * t + 8 * half, acc[r]);
-    }
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; r += PAIR)
+        pair_tile(a, w, t, y, r0 + r, rows - r < PAIR ? rows - r : PAIR, n, k_all);
 }
 
 /* Sixteen floats, the attention kernel's vector (cpu_attention.h): two ymm, each operation the
