@@ -72,6 +72,13 @@ static inline __m256 finish_group(__m256 acc, __m256i d, const uint16_t *scales,
     return _mm256_fmadd_ps(_mm256_set1_ps(step), t, acc);
 }
 
+/* v, as a value GCC may not regroup: left free, it reorders a chain of integer sums into all the
+ * products first, which spills them out of the registers. */
+static inline __attribute__((always_inline)) __m256i kept(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 #define PAIR 2  /* rows a tile's inner loop holds: each broadcast of a row's quad feeds both halves */
 
 /* One group's D for 16 outputs, as two halves of 8 (the codes at `codes`, a group's UNITs), and
@@ -108,9 +115,9 @@ static inline __attribute__((always_inline)) void group_d(const activations *a, 
                 __m256i hi = bits == 8 ? _mm256_sign_epi8(high, c[half]) : high;
                 __m256i lo = bits == 8 ? _mm256_sign_epi8(low, c[half]) : low;
                 __m256i pairs = _mm256_maddubs_epi16(size[half], hi);
-                hs[r][half] = bits == 4 ? _mm256_add_epi16(hs[r][half], pairs)
-                                        : _mm256_add_epi32(hs[r][half], _mm256_madd_epi16(pairs, ones));
-                ls[r][half] = _mm256_add_epi16(ls[r][half], _mm256_maddubs_epi16(size[half], lo));
+                hs[r][half] = kept(bits == 4 ? _mm256_add_epi16(hs[r][half], pairs)
+                                             : _mm256_add_epi32(hs[r][half], _mm256_madd_epi16(pairs, ones)));
+                ls[r][half] = kept(_mm256_add_epi16(ls[r][half], _mm256_maddubs_epi16(size[half], lo)));
             }
         }
     }

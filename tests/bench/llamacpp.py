@@ -114,8 +114,10 @@ def _llama_cpp_source() -> Path:
 
 
 def _run_measured(cmd: list[str]) -> tuple[str, float]:
-    """stdout of `cmd` and its peak RSS in MB."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    """stdout of `cmd` and its peak RSS in MB. Its libraries are looked up beside it: the build's
+    runpath names the directory it was built in, which a moved checkout no longer has."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(Path(cmd[0]).parent)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if status:
