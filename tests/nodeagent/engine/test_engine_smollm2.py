@@ -101,7 +101,7 @@ FORCED_TOKENS = 90
 @pytest.fixture(scope="module")
 def forced():
     """The float model and, per chat prompt, the prompt with its float greedy answer and the
-    float logits at every position."""
+    float logits at every position (one pass with no KV cache over the whole)."""
     import torch
 
     from nodeagent.engine.gguf_file import load_gguf
@@ -110,11 +110,36 @@ def forced():
     runs = []
     with torch.inference_mode():
         for record in VECTORS["records"]:
-            tokens = list(record["prompt_ids"])
-            for _ in range(FORCED_TOKENS):
-                tokens.append(int(all_logits(model, tokens)[-1].argmax()))
+            tokens = greedy_continuation(model, list(record["prompt_ids"]), FORCED_TOKENS)
             runs.append((tokens, len(record["prompt_ids"]), all_logits(model, tokens)))
     return runs
+
+
+def greedy_continuation(model, prompt, n):
+    """`prompt` and `n` greedy tokens after it, past any end of turn, on a plain contiguous KV
+    cache of the test's own (not the engine's paged pool)."""
+    import torch
+
+    from nodeagent.engine.model import grouped_attention
+
+    cache: dict[int, torch.Tensor] = {}
+    tokens, start = list(prompt), 0
+    while len(tokens) < len(prompt) + n:
+        positions = torch.arange(start, len(tokens)).unsqueeze(0)
+        mask = model.attention_mask(positions, len(tokens))
+
+        def attend(layer, q, kv, mask=mask):
+            cache[layer] = torch.cat([cache[layer], kv], 1) if layer in cache else kv
+            keys, values = cache[layer].permute(2, 0, 3, 1, 4)
+            return grouped_attention(q, keys, values, mask)
+
+        x = model.embed(torch.tensor([tokens[start:]]))
+        freqs = model.rope(positions)
+        for layer in range(model.config.n_layers):
+            x = model.layer(layer, x, freqs, attend)
+        start = len(tokens)
+        tokens.append(int(model.logits(x[0, -1:]).argmax()))
+    return tokens
 
 
 def all_logits(model, tokens):
@@ -124,7 +149,7 @@ def all_logits(model, tokens):
     return model.logits(x[0])
 
 
-@pytest.mark.timeout(300)  # the fixture recomputes each answer cache-free: about a minute on 2 cores
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", sorted(QUANTIZED_FLOORS))
 def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, variant, request):
     import torch
