@@ -2,10 +2,10 @@
  * the vector path only, 8 outputs a vector. Its integer sums are the same exact D and each output
  * takes the same fp32 operations in the same order, so it gives the AVX-512 build's bits.
  *
- * VPMADDUBSW multiplies unsigned by signed bytes into pairs of int16, which saturate: int4 codes
- * (0..15) go in as they are, and a group's eight pair sums stay below 8 * 2 * 15 * 127 = 30480;
- * int8 codes go in as |c| with c's sign moved onto the activation (|high| <= 127, so negating it
- * never overflows), one pair at most 2 * 128 * 127 = 32512. */
+ * int4: VPMADDUBSW multiplies unsigned by signed bytes into pairs of int16, which saturate: the
+ * codes (0..15) go in as they are, and a group's eight pair sums stay below 8 * 2 * 15 * 127 =
+ * 30480. int8: VPMADDWD multiplies q (|q| <= 2039) by the codes widened to int16, a group's sums
+ * at most 32 * 2039 * 128, far inside int32. */
 
 #define ATTENTION_ROWS 4       /* query rows an attention tile holds in registers */
 
@@ -81,11 +81,11 @@ static inline __attribute__((always_inline)) __m256i kept(__m256i v) {
 
 #define PAIR 2  /* rows a tile's inner loop holds: each broadcast of a row's quad feeds both halves */
 
-/* One group's D for 16 outputs, as two halves of 8 (the codes at `codes`, a group's UNITs), and
- * `rows` (1 or PAIR) rows. A broadcast from memory costs about what a VPMADDUBSW does here, so
- * each one feeds both halves' products. */
-static inline __attribute__((always_inline)) void group_d(const activations *a, const uint8_t *codes, int bits,
-                                                          int r0, int rows, int k_all, int g, __m256i d[][2]) {
+/* int4: one group's D for 16 outputs, as two halves of 8 (the codes at `codes`, a group's UNITs),
+ * and `rows` (1 or PAIR) rows. A broadcast from memory costs about what a VPMADDUBSW does here,
+ * so each one feeds both halves' products. */
+static inline __attribute__((always_inline)) void group_d4(const activations *a, const uint8_t *codes, int r0,
+                                                           int rows, int k_all, int g, __m256i d[][2]) {
     const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
     __m256i hs[PAIR][2], ls[PAIR][2];
     const int32_t *h[PAIR];
@@ -96,28 +96,19 @@ static inline __attribute__((always_inline)) void group_d(const activations *a, 
     }
 #pragma GCC unroll 8
     for (int p = 0; p < QUADS; p++) {
-        __m256i c[2], size[2];
+        __m256i c[2];
 #pragma GCC unroll 2
         for (int half = 0; half < 2; half++) {
-            if (bits == 4) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p / 2 * UNIT + half * (UNIT / 2)));
-                c[half] = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(v, 4) : v, nibble);
-            } else {
-                c[half] = _mm256_loadu_si256((const __m256i *)(codes + p * UNIT + half * (UNIT / 2)));
-            }
-            size[half] = bits == 4 ? c[half] : _mm256_abs_epi8(c[half]);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p / 2 * UNIT + half * (UNIT / 2)));
+            c[half] = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(v, 4) : v, nibble);
         }
 #pragma GCC unroll 2
         for (int r = 0; r < rows; r++) {
             __m256i high = _mm256_set1_epi32(h[r][p]), low = _mm256_set1_epi32(h[r][QUADS + p]);
 #pragma GCC unroll 2
             for (int half = 0; half < 2; half++) {
-                __m256i hi = bits == 8 ? _mm256_sign_epi8(high, c[half]) : high;
-                __m256i lo = bits == 8 ? _mm256_sign_epi8(low, c[half]) : low;
-                __m256i pairs = _mm256_maddubs_epi16(size[half], hi);
-                hs[r][half] = kept(bits == 4 ? _mm256_add_epi16(hs[r][half], pairs)
-                                             : _mm256_add_epi32(hs[r][half], _mm256_madd_epi16(pairs, ones)));
-                ls[r][half] = kept(_mm256_add_epi16(ls[r][half], _mm256_maddubs_epi16(size[half], lo)));
+                hs[r][half] = kept(_mm256_add_epi16(hs[r][half], _mm256_maddubs_epi16(c[half], high)));
+                ls[r][half] = kept(_mm256_add_epi16(ls[r][half], _mm256_maddubs_epi16(c[half], low)));
             }
         }
     }
@@ -125,8 +116,49 @@ static inline __attribute__((always_inline)) void group_d(const activations *a, 
     for (int r = 0; r < rows; r++)
 #pragma GCC unroll 2
         for (int half = 0; half < 2; half++) {
-            __m256i high = bits == 4 ? _mm256_madd_epi16(hs[r][half], ones) : hs[r][half];
+            __m256i high = _mm256_madd_epi16(hs[r][half], ones);
             d[r][half] = _mm256_add_epi32(_mm256_slli_epi32(high, SPLIT_BITS), _mm256_madd_epi16(ls[r][half], ones));
+        }
+}
+
+/* int8: the same with VPMADDWD on q itself (16 high + low in int16) and the codes widened to int16:
+ * 16 products an instruction, where the halves take two VPSIGNB and two VPMADDUBSW for 32. Each
+ * row's q for the group is widened once into `wide`, 4 inputs (one broadcast) a quad; each int32
+ * lane sums two of an output's inputs, and a horizontal add pairs them at the end. */
+static inline __attribute__((always_inline)) void group_d8(const activations *a, const uint8_t *codes, int r0,
+                                                           int rows, int k_all, int g, __m256i d[][2]) {
+    int64_t wide[PAIR][QUADS];
+    __m256i sums[PAIR][4];
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; r++) {
+        const int8_t *halves = a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP);
+        for (int i = 0; i < 2; i++) {
+            __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(halves + 16 * i)));
+            __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(halves + GROUP + 16 * i)));
+            _mm256_storeu_si256((__m256i *)wide[r] + i, _mm256_add_epi16(_mm256_slli_epi16(high, SPLIT_BITS), low));
+        }
+        sums[r][0] = sums[r][1] = sums[r][2] = sums[r][3] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < QUADS; p++) {
+        __m256i c[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++)
+            c[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + p * UNIT + 16 * v)));
+#pragma GCC unroll 2
+        for (int r = 0; r < rows; r++) {
+            __m256i q = _mm256_set1_epi64x(wide[r][p]);
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++)
+                sums[r][v] = kept(_mm256_add_epi32(sums[r][v], _mm256_madd_epi16(c[v], q)));
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            __m256i pairs = _mm256_hadd_epi32(sums[r][2 * half], sums[r][2 * half + 1]);
+            d[r][half] = _mm256_permute4x64_epi64(pairs, _MM_SHUFFLE(3, 1, 2, 0));
         }
 }
 
@@ -147,7 +179,10 @@ static inline __attribute__((always_inline)) void pair_tile(const activations *a
         __m256i d[PAIR][2];
         const uint8_t *here = codes + (size_t)g * GROUP * w->bits * 2;
         prefetch_ahead(here, w->bits);
-        group_d(a, here, w->bits, r0, rows, k_all, g, d);
+        if (w->bits == 4)
+            group_d4(a, here, r0, rows, k_all, g, d);
+        else
+            group_d8(a, here, r0, rows, k_all, g, d);
         const uint16_t *scales = group_scales(w, t, groups, g);
 #pragma GCC unroll 2
         for (int r = 0; r < rows; r++) {
