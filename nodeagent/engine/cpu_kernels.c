@@ -37,6 +37,7 @@
 #define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
 #define PREFETCH 2048          /* bytes of codes the vector path asks for ahead of its loads */
 #define CHUNKS_PER_THREAD 4    /* the vector path's chunks of work per thread */
+#define SHARED_ROWS 16         /* calls of this many rows norm and quantize them on the whole team */
 
 /* A weight: codes, fp16 scales and its code width. For each 16 outputs (a column tile) the scales
  * run group by group, 16 scales and for int4 then 16 minimums: a tile's scales are one stream. */
@@ -109,19 +110,28 @@ static void vector_rows(const activations *a, const weight *w, int t, float *y, 
     }
 }
 
-/* The vector path: the rows quantized here, then the column tiles shared out on OpenMP's team in
+/* The vector path: the rows quantized, then the column tiles shared out on OpenMP's team in
  * chunks that its threads claim as they come free. Called from the node's scheduler thread, that
  * team is the one torch's own ops run on, whose workers spin a while after each op: they pick the
  * call up at once, and no second set of threads competes with them for the cores. */
 static void vectored(const float *x, const activations *a, const weight *w, float *y, int m, int n, int k_all) {
-    for (int r = 0; r < m; r++)
-        quantize_row(x, a, r, k_all);
     int tiles = n / 16, most = CHUNKS_PER_THREAD * omp_get_max_threads();
     int chunks = tiles < most ? tiles : most;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int chunk = 0; chunk < chunks; chunk++)
-        for (int t = tiles * chunk / chunks; t < tiles * (chunk + 1) / chunks; t++)
-            vector_rows(a, w, t, y, m, n, k_all);
+    int shared = m >= SHARED_ROWS;
+    for (int r = 0; !shared && r < m; r++)
+        quantize_row(x, a, r, k_all);
+#pragma omp parallel
+    {
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int r = 0; r < m; r++)
+                quantize_row(x, a, r, k_all);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int chunk = 0; chunk < chunks; chunk++)
+            for (int t = tiles * chunk / chunks; t < tiles * (chunk + 1) / chunks; t++)
+                vector_rows(a, w, t, y, m, n, k_all);
+    }
 }
 
 #define SQUARE_LANES 8  /* partial sums of an RMSNorm's squares, added in a fixed order */
@@ -130,6 +140,7 @@ static void vectored(const float *x, const activations *a, const weight *w, floa
  * squares add up in double, in one fixed order, so the scale is near exact and every build gives
  * the same bits. */
 static void rms_normed(const float *x, const float *norm, float eps, float *out, int m, int k_all) {
+#pragma omp parallel for schedule(static) if (m >= SHARED_ROWS)
     for (int r = 0; r < m; r++) {
         const float *row = x + (size_t)r * k_all;
         double lanes[SQUARE_LANES] = {0}, squares = 0;
