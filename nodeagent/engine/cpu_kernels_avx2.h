@@ -264,7 +264,7 @@ static inline __m256 exp2_half(__m256 x) {
     return _mm256_and_ps(normal, _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
 }
 
-/* 2^x for x <= 0 (EXP2_TERMS in cpu_attention.h), 0 below the normal range. */
+/* 2^x for x <= 0 (EXP2_TERMS in cpu_kernels.c), 0 below the normal range. */
 static inline v16 v16_exp2(v16 x) {
     return (v16){exp2_half(x.lo), exp2_half(x.hi)};
 }

@@ -350,7 +350,7 @@ static inline v16 v16_outside(v16 v, int from, int to) {
     return _mm512_mask_mov_ps(v, out, _mm512_set1_ps(-INFINITY));
 }
 
-/* 2^x for x <= 0 (EXP2_TERMS in cpu_attention.h), 0 below the normal range. */
+/* 2^x for x <= 0 (EXP2_TERMS in cpu_kernels.c), 0 below the normal range. */
 static inline v16 v16_exp2(v16 x) {
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n), p = _mm512_set1_ps(EXP2_TERMS[7]);
