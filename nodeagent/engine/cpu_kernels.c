@@ -34,7 +34,7 @@
 #define UNIT 64                /* bytes of codes for 16 outputs: 8 inputs of int4, 4 of int8 */
 #define SPLIT_BITS 4           /* q = 2^SPLIT_BITS * high + low */
 #define QMAX 2039.0f           /* |q| whose high byte still fits int8: 127 * 16 + 7 */
-#define VECTOR_ROWS 4          /* rows the vector path holds in registers at once */
+#define VECTOR_ROWS 4          /* rows the vector path takes a column tile for at once */
 #define PREFETCH 2048          /* bytes of codes the vector path asks for ahead of its loads */
 #define CHUNKS_PER_THREAD 4    /* the vector path's chunks of work per thread */
 #define SHARED_ROWS 16         /* calls of this many rows norm and quantize them on the whole team */
