@@ -110,9 +110,12 @@ class Followers(Protocol):
     def send_forward(self, batch: Batch) -> None: ...
 
 
-def forward_batch(model: LlamaModel, pool: KVPool, arange: torch.Tensor, batch: Batch) -> torch.Tensor:
+def forward_batch(
+    model: LlamaModel, pool: KVPool, arange: torch.Tensor, batch: Batch, kernels: CpuKernels | None
+) -> torch.Tensor:
     """Runs `batch` through every layer, writing its K/V into `pool`; the hidden state [B,D] at
-    each lane's last token. `arange` is 0, 1, 2, ... on the model's device, long enough."""
+    each lane's last token. `arange` is 0, 1, 2, ... on the model's device, long enough;
+    `kernels`, `attention_kernels(pool)` as the caller took it at load."""
     width, n_blocks = batch.tokens.shape[1], batch.blocks.shape[1]
     positions = batch.starts[:, None] + arange[:width]
     block_index = (positions // BLOCK_TOKENS).clamp(max=n_blocks - 1)
@@ -121,7 +124,7 @@ def forward_batch(model: LlamaModel, pool: KVPool, arange: torch.Tensor, batch: 
         valid = arange[:width] < batch.counts[:, None]
         write = write.masked_fill(~valid, pool.scratch_slot)
         positions = positions.masked_fill(~valid, 0)
-    attend = paged_attend(model, pool, batch, positions, write.reshape(-1))
+    attend = paged_attend(model, pool, batch, positions, write.reshape(-1), kernels)
     x = model.embed(batch.tokens)
     freqs = model.rope(positions)
     for layer in range(model.config.n_layers):
@@ -131,11 +134,13 @@ def forward_batch(model: LlamaModel, pool: KVPool, arange: torch.Tensor, batch: 
     return x[torch.arange(x.shape[0], device=x.device), batch.counts - 1]
 
 
-def paged_attend(model: LlamaModel, pool: KVPool, batch: Batch, positions: torch.Tensor, write: torch.Tensor) -> Attend:
+def paged_attend(
+    model: LlamaModel, pool: KVPool, batch: Batch, positions: torch.Tensor, write: torch.Tensor,
+    kernels: CpuKernels | None,
+) -> Attend:
     """Attention for `batch`'s step, storing each layer's new K/V at `write` first: on the CPU
-    kernel, which reads the pool in place, where it runs; else the lanes' blocks copied out for
+    `kernels`, which read the pool in place, where given; else the lanes' blocks copied out for
     SDPA under a mask built from `positions`."""
-    kernels = attention_kernels(pool)
     if kernels is not None:
         window = model.config.sliding_window or 0
 
@@ -286,7 +291,7 @@ class Scheduler:
         self.model = model
         self.threads = threads
         self.pool = pool
-        #: Built here, at load, so a cold compile never runs inside a watched step.
+        #: Chosen (and built) here, at load, so a cold compile never runs inside a watched step.
         self.attention_kernels = attention_kernels(pool)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
@@ -799,7 +804,7 @@ class Scheduler:
         )
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_forward(batch)
-        last = forward_batch(self.model, self.pool, self._positions, batch)
+        last = forward_batch(self.model, self.pool, self._positions, batch, self.attention_kernels)
         return self.model.logits(last, greedy=all(g.sampler.greedy for g in gens))
 
     def _emit(self, gen: Generation, token: int) -> None:

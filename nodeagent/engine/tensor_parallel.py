@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nodeagent.daemon import ModelLoadError
+from nodeagent.engine.cpu_kernels import CpuKernels
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.scheduler import Batch, attention_kernels, forward_batch
@@ -229,13 +230,13 @@ def follow(spec: ShardSpec, rank: int, load_shard: LoadShard, pipe: multiprocess
     c = model.config
     model.set_context(context)
     pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, kv_blocks, model.dtype, model.device)
-    attention_kernels(pool)  # built before the first step, which rank 0 waits on
+    kernels = attention_kernels(pool)  # built before the first step, which rank 0 waits on
     _join_group(spec, rank)
     model.reduce = all_reduce
     arange = torch.arange(blocks_for(context) * BLOCK_TOKENS, device=model.device)
     with torch.inference_mode():
         try:
-            while _run_step(model, pool, arange):
+            while _run_step(model, pool, arange, kernels):
                 pass
         except RuntimeError as e:  # rank 0 went away mid-collective: nothing to follow
             log.debug(f"tensor-parallel rank {rank} stops: {e}")
@@ -243,7 +244,7 @@ def follow(spec: ShardSpec, rank: int, load_shard: LoadShard, pipe: multiprocess
         dist.destroy_process_group()
 
 
-def _run_step(model: LlamaModel, pool: KVPool, arange: torch.Tensor) -> bool:
+def _run_step(model: LlamaModel, pool: KVPool, arange: torch.Tensor, kernels: CpuKernels | None) -> bool:
     """Receives one step from rank 0 and runs this rank's part; False at STOP."""
     header = torch.empty(HEADER, dtype=torch.long, device=model.device)
     dist.broadcast(header, 0)
@@ -254,7 +255,8 @@ def _run_step(model: LlamaModel, pool: KVPool, arange: torch.Tensor) -> bool:
         tokens, counts, starts, blocks, fresh = flat.split([a * b, a, a, a * c, e])
         if e:
             pool.zero(fresh.tolist())
-        forward_batch(model, pool, arange, Batch(tokens.view(a, b), counts, starts, blocks.view(a, c), fresh))
+        batch = Batch(tokens.view(a, b), counts, starts, blocks.view(a, c), fresh)
+        forward_batch(model, pool, arange, batch, kernels)
     elif step == Step.STAGE:
         hidden = torch.empty(1, a, model.config.hidden_size, dtype=model.dtype, device=model.device)
         dist.broadcast(hidden, 0)
