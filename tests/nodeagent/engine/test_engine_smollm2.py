@@ -87,10 +87,12 @@ class Floor:
 
 #: Each format on the node's CPU kernels (`cpu_kernels.py`) and on torch's, int4 on torch's
 #: with its prefill unpacked (--fast-prefill) too: these forward passes of 100+ rows all take
-#: the unpacked path.
+#: the unpacked path. int8 on Q8_0 weights holds them exactly, as it does a Q8_0 file's
+#: (`Q8_0Rounded`); on the Q4_1 file it re-quantizes.
 QUANTIZED_FLOORS = {
     "int4 node kernels": Floor(0.99, 0.25, 0.02),
     "int8 node kernels": Floor(0.98, 1.5, None),
+    "int8 node kernels on Q8_0": Floor(0.99, 0.5, 0.02),
     "int4 torch": Floor(0.97, 2.0, 0.25),
     "int4 torch fast prefill": Floor(0.97, 2.0, 0.25),
     "int8 torch": Floor(0.95, 3.0, None),
@@ -113,6 +115,54 @@ def forced():
             tokens = greedy_continuation(model, list(record["prompt_ids"]), FORCED_TOKENS)
             runs.append((tokens, len(record["prompt_ids"]), all_logits(model, tokens)))
     return runs
+
+
+class Q8_0Rounded:
+    """The file's tensors as a Q8_0 file of the same model holds them: each matrix through
+    gguf's reference Q8_0 quantizer (llama.cpp's blocks of 32, an fp16 scale each) and back,
+    the norms as they are."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def get(self, name: str, shape: tuple[int, ...]):
+        import torch
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize, quantize
+
+        values = self.source.get(name, shape)
+        if values.dim() != 2:
+            return values
+        q8_0 = GGMLQuantizationType.Q8_0
+        return torch.from_numpy(dequantize(quantize(values.numpy(), q8_0), q8_0))
+
+
+def q8_0_model(weights):
+    import torch
+
+    from nodeagent.engine.gguf_file import GGUFSource
+    from nodeagent.engine.model import LlamaModel
+
+    source = GGUFSource(Path(alias_path(ALIASES[ALIAS])))
+    try:
+        return LlamaModel.from_source(source.config, Q8_0Rounded(source), torch.float32, torch.device("cpu"), weights)
+    finally:
+        source.close()
+
+
+@pytest.fixture(scope="module")
+def q8_0_forced(forced):
+    """`forced`'s token runs with the float logits of the Q8_0-rounded model."""
+    import torch
+
+    from nodeagent.engine.choices import WeightFormat
+
+    model = q8_0_model(WeightFormat.FLOAT)
+    with torch.inference_mode():
+        return [(tokens, prompt_len, all_logits(model, tokens)) for tokens, prompt_len, _ in forced]
 
 
 def greedy_continuation(model, prompt, n):
@@ -166,7 +216,10 @@ def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, 
         pytest.skip("no node CPU kernels here")
     if "torch" in variant:
         request.getfixturevalue("torchs_kernels")
-    model = load_gguf(alias_path(ALIASES[ALIAS]), torch.float32, torch.device("cpu"), WeightFormat(fmt))
+    if variant.endswith("Q8_0"):
+        model, forced = q8_0_model(WeightFormat(fmt)), request.getfixturevalue("q8_0_forced")
+    else:
+        model = load_gguf(alias_path(ALIASES[ALIAS]), torch.float32, torch.device("cpu"), WeightFormat(fmt))
     if fast_prefill and not model.unpack_prefill():
         pytest.skip("no int4 projection unpacks here")
     same = positions = 0
