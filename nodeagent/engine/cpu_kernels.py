@@ -177,32 +177,62 @@ class CpuKernels:
         attends q [B,C,H,hd] to each lane's blocks [B,NB]: row i of lane b sits at position
         starts[b] + i and sees the keys up to it (the last `window` of them where window > 0);
         rows from counts[b] on are padding and give 0. Returns [B,C,H*hd] fp32."""
-        batch, chunk, heads, head_dim = q.shape
-        q, q_stride = _token_rows(q)
-        kv, kv_stride = _token_rows(kv)
+        return self.attention_step(slots, blocks, starts, counts, window)(pool, q, kv)
+
+    def attention_step(self, slots: torch.Tensor, blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                       window: int) -> AttentionStep:
+        """`attention` with one step's lanes bound, for each layer to call with its pool, q and kv."""
+        return AttentionStep(self._attention, slots, blocks, starts, counts, window)
+
+
+class AttentionStep:
+    """One step's attention call: what every layer shares is set once, and each layer's call
+    fills in its own pool, q, kv and output."""
+
+    def __init__(self, function: Callable[..., int], slots: torch.Tensor, blocks: torch.Tensor,
+                 starts: torch.Tensor, counts: torch.Tensor, window: int):
+        self._function = function
+        self._held = (slots, blocks, starts, counts)  # the pointers below stay theirs
+        self._call = AttentionCall(slots=slots.data_ptr(), blocks=blocks.data_ptr(), starts=starts.data_ptr(),
+                                   counts=counts.data_ptr(), table=blocks.shape[1], window=window)
+
+    def __call__(self, pool: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        call = self._call
+        call.batch, call.chunk, call.heads, call.head_dim = batch, chunk, heads, head_dim = q.shape
+        (q, call.q_stride), (kv, call.kv_stride) = _token_rows(q), _token_rows(kv)
         out = torch.empty(batch, chunk, heads * head_dim)
-        call = AttentionCall(
-            q.data_ptr(), kv.data_ptr(), q_stride, kv_stride,
-            *(t.data_ptr() for t in (slots, pool, blocks, starts, counts, out)),
-            batch, chunk, heads, kv.shape[3], head_dim, blocks.shape[1], window,
-        )
-        if self._attention(ctypes.byref(call)):
+        call.q, call.new_kv = q.data_ptr(), kv.data_ptr()
+        call.pool, call.out, call.kv_heads = pool.data_ptr(), out.data_ptr(), kv.shape[3]
+        if self._function(ctypes.byref(call)):
             raise MemoryError("the CPU attention kernel could not allocate its buffers")
         return out
 
 
 def _token_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """t [B,C,...] as rows at a fixed stride (the one returned) with each row's rest contiguous,
-    copied only where it is not so already."""
-    inner = t[0, 0]
-    if not (inner.is_contiguous() and t.stride(0) == t.shape[1] * t.stride(1)):
-        t = t.contiguous()
-    return t, t.stride(1)
+    """t [B,C,...] as the kernel reads it, each token's part contiguous and token (b, c) at
+    (b * C + c) * stride from the start, with that stride; copied only where t is not so."""
+    shape, strides = t.shape, t.stride()
+    inner = 1
+    for size, stride in zip(reversed(shape[2:]), reversed(strides[2:]), strict=True):
+        if stride != inner and size > 1:
+            return _copied(t)
+        inner *= size
+    batch, chunk = shape[:2]
+    step = strides[1] if chunk > 1 else strides[0] if batch > 1 else inner
+    if batch > 1 and chunk > 1 and strides[0] != chunk * step:
+        return _copied(t)
+    return t, step
+
+
+def _copied(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    copy = torch.empty(t.shape, dtype=t.dtype)
+    copy.copy_(t)
+    return copy, copy[0, 0].numel()
 
 
 class BoundWeight:
-    """rows [m, k] fp32 contiguous times one packed weight, as [m, n] fp32. Its pointers and shape
-    are worked out once: a decode step makes over a hundred of these calls, each a few
+    """rows [..., k] fp32 contiguous times one packed weight, as [..., n] fp32. Its pointers and
+    shape are worked out once: a decode step makes over a hundred of these calls, each a few
     microseconds of the kernel's own."""
 
     def __init__(self, function: Callable[..., int], packed: torch.Tensor, scales: torch.Tensor, columns: int,
@@ -215,8 +245,8 @@ class BoundWeight:
     def __call__(self, rows: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """`norm` (fp32 [k], contiguous): the rows are RMSNormed with it and `eps` first, in the
         kernel's own pass over them."""
-        count = rows.shape[0]
-        out = torch.empty(count, self._outputs)
+        out = torch.empty(rows.shape[:-1] + (self._outputs,))
+        count = rows.numel() // self._columns
         tile_rows = count + 1 if self._tile_rows is None else self._tile_rows
         if self._function(rows.data_ptr(), *self._weight, out.data_ptr(), count, self._outputs, self._columns,
                           tile_rows, None if norm is None else norm.data_ptr(), eps):

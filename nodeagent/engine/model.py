@@ -166,8 +166,8 @@ class LlamaModel:
         c, w = self.config, self.layers[index]
         batch, chunk = x.shape[:2]
         qkv = normed_projection(w.qkv, x, w.input_norm, c.rms_norm_eps)
-        rotate_in_place(qkv[..., : self._qk_width].unflatten(-1, (-1, c.head_dim)), freqs)
-        q = qkv[..., : self._q_width].unflatten(-1, (c.n_heads, c.head_dim))
+        rotate_in_place(qkv[..., : self._qk_width].view(batch, chunk, -1, c.head_dim), freqs)
+        q = qkv[..., : self._q_width].view(batch, chunk, c.n_heads, c.head_dim)
         kv = qkv[..., self._q_width :].view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
         x = x + self._summed(w.o(attend(index, q, kv)))
         gate, up = normed_projection(w.gate_up, x, w.post_norm, c.rms_norm_eps).chunk(2, dim=-1)

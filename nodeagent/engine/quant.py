@@ -165,7 +165,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.product is not None:
-            return _finish(self.product(_rows(x, self.in_features)), x, self.bias)
+            return _on_kernels(self.product, x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
         return _finish(y, x, self.bias)
@@ -245,7 +245,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.product is not None:
-            return _finish(self.product(_rows(x, self.in_features)), x, self.bias)
+            return _on_kernels(self.product, x, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if len(rows) >= UNPACK_ROWS and self.unpack_width is not None:
             y = self._unpacked_product(rows)
@@ -344,14 +344,21 @@ def normed_projection(
     """projection(RMSNorm(x) * norm). A projection on the node's CPU kernels takes the norm into
     the pass that quantizes x: one call where torch's norm and the product were two."""
     if isinstance(projection, (Int4Linear, Int8Linear)) and projection.product is not None:
-        rows = _rows(x, projection.in_features)
-        return _finish(projection.product(rows, norm.float().contiguous(), eps), x, projection.bias)
+        return _on_kernels(projection.product, x, projection.bias, norm.float().contiguous(), eps)
     return projection(F.rms_norm(x, (x.shape[-1],), norm, eps))
 
 
-def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x as the kernels take it: fp32 rows [m, width], contiguous."""
-    return x.reshape(-1, width).float().contiguous()
+def _on_kernels(
+    product: cpu_kernels.BoundWeight, x: torch.Tensor, bias: torch.Tensor | None,
+    norm: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:
+    """x [..., k] through a product on the node's kernels, back in x's dtype, plus the bias. A
+    decode step makes over a hundred of these calls, so x goes in as it is wherever it can."""
+    rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    y = product(rows, norm, eps)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -75,7 +75,7 @@ def interleave_pairs(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch.T
 def rotate_in_place(qk: torch.Tensor, freqs: torch.Tensor) -> None:
     """Rotate qk [..., heads, head_dim] (paired layout) by complex `freqs` [..., 1, head_dim/2]."""
     if qk.dtype == torch.float32:
-        torch.view_as_complex(qk.unflatten(-1, (-1, 2))).mul_(freqs)
+        torch.view_as_complex(qk.view(qk.shape[:-1] + (-1, 2))).mul_(freqs)
         return
     rotated = torch.view_as_complex(qk.float().unflatten(-1, (-1, 2))) * freqs
     qk.copy_(torch.view_as_real(rotated).flatten(-2))

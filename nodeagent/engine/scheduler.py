@@ -142,10 +142,11 @@ def paged_attend(
     `kernels`, which read the pool in place, where given; else the lanes' blocks copied out for
     SDPA under a mask built from `positions`."""
     if kernels is not None:
-        window = model.config.sliding_window or 0
+        attend_step = kernels.attention_step(write, batch.blocks, batch.starts, batch.counts,
+                                             model.config.sliding_window or 0)
 
         def attend_in_place(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return kernels.attention(pool.kv[layer], q, kv, write, batch.blocks, batch.starts, batch.counts, window)
+            return attend_step(pool.kv[layer], q, kv)
 
         return attend_in_place
     mask = model.attention_mask(positions, batch.blocks.shape[1] * BLOCK_TOKENS)

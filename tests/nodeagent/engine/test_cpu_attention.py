@@ -189,3 +189,33 @@ def test_the_kernel_attends_where_it_takes_the_pool_else_sdpa_does(head_dim, dty
         assert (attention_kernels(pool) is not None) == in_place
     finally:
         cpu_kernels.cpu_kernels.cache_clear()
+
+
+def _read_right(t: torch.Tensor, stride: int) -> bool:
+    """Whether each token's part is contiguous and token (b, c) at (b * C + c) * stride."""
+    batch, chunk = t.shape[:2]
+    return all(
+        t[b, c].is_contiguous() and t[b, c].data_ptr() == t.data_ptr() + (b * chunk + c) * stride * t.element_size()
+        for b in range(batch)
+        for c in range(chunk)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.tuples(*(st.integers(1, 4) for _ in range(4))),
+    extra=st.integers(0, 3),
+    order=st.permutations(range(4)),
+)
+def test_token_rows_copies_exactly_the_layouts_the_kernel_cannot_read(shape, extra, order):
+    """Tokens sliced out of wider rows (q out of qkv) and permuted views go in as they are where
+    the kernel reads them right at some stride, and as a copy otherwise."""
+    wide = torch.arange(float(torch.Size(shape).numel() // shape[3] * (shape[3] + extra)))
+    base = wide.view(*shape[:3], shape[3] + extra)[..., : shape[3]]
+    permuted = base.permute(*order).contiguous().permute(*sorted(range(4), key=lambda i: order[i]))
+    for t in (base, permuted):
+        rows, stride = cpu_kernels._token_rows(t)
+        assert torch.equal(rows, t)
+        assert _read_right(rows, stride)
+        readable = any(_read_right(t, s) for s in range(1, t.numel() + 8))
+        assert (rows.data_ptr() == t.data_ptr()) == readable
