@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import os
 import signal
+import subprocess
 import threading
 
 import pytest
@@ -292,6 +293,22 @@ def test_a_build_that_fails_to_compile_gives_way_to_the_next(fresh_kernels, monk
     broken = dataclasses.replace(avx2, name="broken", flags=("-mno-such-flag",))
     monkeypatch.setattr(cpu_kernels, "BUILDS", (broken, avx2))
     assert _kernels_or_skip().build == avx2
+
+
+@pytest.mark.parametrize("name", [build.name for build in cpu_kernels.BUILDS])
+def test_every_build_compiles_whether_or_not_this_processor_runs_it(name):
+    """A machine that runs only the AVX2 build still finds out when a change to the shared
+    source breaks the AVX-512 one, whose tests skip there."""
+    if cpu_kernels._compiler() is None:
+        pytest.skip("no C compiler here")
+    try:
+        library = cpu_kernels._built(_build(name))
+    except subprocess.CalledProcessError as e:
+        if "unrecognized" in e.stderr.decode() and "-m" in e.stderr.decode():
+            pytest.skip(f"this compiler lacks the {name} build's flags: {e.stderr.decode().strip()}")
+        raise AssertionError(f"the {name} build failed to compile:\n{e.stderr.decode()}") from e
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True).stdout
+    assert {"sf_int4_mm", "sf_int8_mm", "sf_paged_attention"} <= set(symbols.split())
 
 
 def test_the_build_is_cached_by_source(fresh_kernels, tmp_path):
