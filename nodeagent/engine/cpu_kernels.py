@@ -245,7 +245,7 @@ class BoundWeight:
     def __call__(self, rows: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """`norm` (fp32 [k], contiguous): the rows are RMSNormed with it and `eps` first, in the
         kernel's own pass over them."""
-        out = torch.empty(rows.shape[:-1] + (self._outputs,))
+        out = torch.empty(*rows.shape[:-1], self._outputs)
         count = rows.numel() // self._columns
         tile_rows = count + 1 if self._tile_rows is None else self._tile_rows
         if self._function(rows.data_ptr(), *self._weight, out.data_ptr(), count, self._outputs, self._columns,
