@@ -355,17 +355,18 @@ def _on_kernels(
     """x [..., k] through a product on the node's kernels, back in x's dtype, plus the bias. A
     decode step makes over a hundred of these calls, so x goes in as it is wherever it can."""
     rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    y = product(rows, norm, eps)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    return y if bias is None else y + bias
+    return _in_x_dtype(product(rows, norm, eps), x, bias)
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel's rows back in x's shape and dtype, plus the bias."""
+    return _in_x_dtype(y.view(*x.shape[:-1], y.shape[-1]), x, bias)
+
+
+def _in_x_dtype(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y in x's dtype, plus the bias."""
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
-    y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 
 
