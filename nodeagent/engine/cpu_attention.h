@@ -13,7 +13,6 @@
 
 #define KV_BLOCK 16          /* tokens per block: one v16 of scores */
 #define MAX_HEAD_DIM 256     /* a tile's rows stay on the stack */
-#define LOG2E 1.4426950408889634f
 
 typedef struct {
     const float *q;           /* [B][C] rows of `q_stride` floats, head h's query at h * head_dim */

@@ -82,6 +82,7 @@ static const float EXP2_TERMS[8] = {1.0f, 0.6931471805599453f, 0.240226506959100
                                     0.009618129107628477f, 0.0013333558146428443f, 0.00015403530393381606f,
                                     1.525273380405984e-05f};
 #define EXP2_FLOOR -126.0f
+#define LOG2E 1.4426950408889634f
 
 #ifdef SF_AVX2
 #include "cpu_kernels_avx2.h"
@@ -155,13 +156,64 @@ static void rms_normed(const float *x, const float *norm, float eps, float *out,
     }
 }
 
+/* What a product does to each row once its sums are in. */
+typedef struct {
+    const float *rotary;  /* each row's cos and sin of its pairs' angles: head_dim floats a row */
+    int rotated;          /* a row's leading outputs turned by them, head after head (0: none) */
+    int head_dim;
+    int gated;            /* nonzero: a row's n sums become silu(first half) * second half, n / 2 */
+} epilogue;
+
+/* f as computed, a value GCC may not fuse into the sum it feeds. */
+static inline __attribute__((always_inline)) float pinned(float f) {
+    __asm__("" : "+x"(f));
+    return f;
+}
+
+/* Rotary positions: each pair (a, b) of the first `rotated` outputs times cos + i sin, the four
+ * products each rounded before their sums, as torch's complex product rounds them. */
+static void rotate_row(float *y, const float *rotary, int rotated, int head_dim) {
+    for (float *head = y; head < y + rotated; head += head_dim)
+        for (int i = 0; i < head_dim; i += 2) {
+            float a = head[i], b = head[i + 1], cos = rotary[i], sin = rotary[i + 1];
+            head[i] = pinned(a * cos) - pinned(b * sin);
+            head[i + 1] = pinned(a * sin) + pinned(b * cos);
+        }
+}
+
+/* silu(gate) * up over n values (a multiple of 16): gate / (1 + e^-gate), written with e^-|gate|
+ * from the attention kernel's exp2 so that both builds give the same bits. */
+static void gate_row(const float *gate, const float *up, float *out, int n) {
+    for (int i = 0; i < n; i += 16) {
+        v16 g = v16_load(gate + i);
+        v16 e = v16_exp2(v16_mul(v16_abs(g), v16_set1(-LOG2E)));
+        v16 share = v16_div(v16_by_sign(g, v16_mul(g, e), g), v16_add(v16_set1(1.0f), e));
+        v16_store(out + i, v16_mul(share, v16_load(up + i)));
+    }
+}
+
+/* `then` on each row of sums [m][n]; gated rows land in y [m][n / 2]. */
+static void epilogue_rows(const epilogue *then, float *sums, float *y, int m, int n) {
+#pragma omp parallel for schedule(static) if (m >= SHARED_ROWS)
+    for (int r = 0; r < m; r++) {
+        float *row = sums + (size_t)r * n;
+        if (then->rotated)
+            rotate_row(row, then->rotary + (size_t)r * then->head_dim, then->rotated, then->head_dim);
+        if (then->gated)
+            gate_row(row, row + n / 2, y + (size_t)r * (n / 2), n / 2);
+    }
+}
+
 static int product(const float *x, const weight *w, float *y, int m, int n, int k_all, int tile_rows,
-                   const float *norm, float eps) {
-    int groups = k_all / GROUP, status = 0;
+                   const float *norm, float eps, const epilogue *then) {
+    int groups = k_all / GROUP, status = 0, gated = then != NULL && then->gated;
     activations a = {malloc((size_t)m * k_all * 2), malloc((size_t)m * groups * 4), malloc((size_t)m * groups * 4)};
     float *normed = norm == NULL ? NULL : malloc((size_t)m * k_all * 4);
-    if (a.halves == NULL || a.step == NULL || a.total == NULL || (norm != NULL && normed == NULL)) {
+    float *sums = gated ? malloc((size_t)m * n * 4) : y;
+    if (a.halves == NULL || a.step == NULL || a.total == NULL || (norm != NULL && normed == NULL) || sums == NULL) {
         free(a.halves), free(a.step), free(a.total), free(normed);
+        if (gated)
+            free(sums);
         return -1;
     }
     if (norm != NULL) {
@@ -170,29 +222,34 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
     }
 #ifdef HAS_TILES
     if (m >= tile_rows)
-        status = tiled(x, &a, w, y, m, n, k_all);
+        status = tiled(x, &a, w, sums, m, n, k_all);
     else
 #endif
-        vectored(x, &a, w, y, m, n, k_all);
+        vectored(x, &a, w, sums, m, n, k_all);
+    if (then != NULL && status == 0)
+        epilogue_rows(then, sums, y, m, n);
     free(a.halves), free(a.step), free(a.total), free(normed);
+    if (gated)
+        free(sums);
     return status;
 }
 
 /* y[m, n] = x[m, k_all] @ W.T in fp32, w = scale * code + minimum with codes 0..15, the scales laid
- * out as `weight` says. Where `norm` is not NULL, x's rows are RMSNormed with it (and `eps`) first.
- * Calls of `tile_rows` rows or more take the tile path (pass more rows than any call has where the
- * process has no tiles). Returns -1 where memory ran out. */
+ * out as `weight` says. Where `norm` is not NULL, x's rows are RMSNormed with it (and `eps`) first;
+ * where `then` is not NULL, each row of y goes through it (y is then [m, n / 2] if gated). Calls of
+ * `tile_rows` rows or more take the tile path (pass more rows than any call has where the process
+ * has no tiles). Returns -1 where memory ran out. */
 int sf_int4_mm(const float *x, const uint8_t *codes, const uint16_t *scales, float *y, int m, int n, int k_all,
-               int tile_rows, const float *norm, float eps) {
+               int tile_rows, const float *norm, float eps, const epilogue *then) {
     weight w = {codes, scales, 4};
-    return product(x, &w, y, m, n, k_all, tile_rows, norm, eps);
+    return product(x, &w, y, m, n, k_all, tile_rows, norm, eps, then);
 }
 
 /* The same for int8: w = scale * code, codes -128..127. */
 int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, float *y, int m, int n, int k_all,
-               int tile_rows, const float *norm, float eps) {
+               int tile_rows, const float *norm, float eps, const epilogue *then) {
     weight w = {(const uint8_t *)codes, scales, 8};
-    return product(x, &w, y, m, n, k_all, tile_rows, norm, eps);
+    return product(x, &w, y, m, n, k_all, tile_rows, norm, eps, then);
 }
 
 #include "cpu_attention.h"

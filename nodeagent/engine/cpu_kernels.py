@@ -86,17 +86,28 @@ class AttentionCall(ctypes.Structure):
     ]
 
 
+class Epilogue(ctypes.Structure):
+    """`epilogue` of cpu_kernels.c: what a product does to each row once its sums are in."""
+
+    _fields_ = [("rotary", ctypes.c_void_p), ("rotated", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("gated", ctypes.c_int)]
+
+
+#: A row of 2 n sums becomes silu(first n) * last n: the gated unit of a Llama MLP.
+GATED = Epilogue(gated=1)
+
+
 class CpuKernels:
     """`sf_int4_mm` and `sf_int8_mm` of the built library: fp32 rows times a quantized weight in
     the kernels' layouts."""
 
     def __init__(self, library: ctypes.CDLL, build: Build, tiles: bool):
         self._int4 = library.sf_int4_mm
-        self._int4.restype = ctypes.c_int
-        self._int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_float]
         self._int8 = library.sf_int8_mm
-        self._int8.restype = ctypes.c_int
-        self._int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_float]
+        for product in (self._int4, self._int8):
+            product.restype = ctypes.c_int
+            product.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [
+                ctypes.c_void_p, ctypes.c_float, ctypes.POINTER(Epilogue)]
         self._attention = library.sf_paged_attention
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [ctypes.POINTER(AttentionCall)]
@@ -243,14 +254,16 @@ class BoundWeight:
         self._weight = (packed.data_ptr(), scales.data_ptr())
         self._outputs, self._columns, self._tile_rows = packed.shape[0], columns, tile_rows
 
-    def __call__(self, rows: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
+                 then: Epilogue | None = None) -> torch.Tensor:
         """`norm` (fp32 [k], contiguous): the rows are RMSNormed with it and `eps` first, in the
-        kernel's own pass over them."""
-        out = torch.empty(*rows.shape[:-1], self._outputs)
+        kernel's own pass over them. `then`: each row's outputs go through it (n / 2 of them
+        where it is gated)."""
+        out = torch.empty(*rows.shape[:-1], self._outputs // 2 if then is not None and then.gated else self._outputs)
         count = rows.numel() // self._columns
         tile_rows = count + 1 if self._tile_rows is None else self._tile_rows
         if self._function(rows.data_ptr(), *self._weight, out.data_ptr(), count, self._outputs, self._columns,
-                          tile_rows, None if norm is None else norm.data_ptr(), eps):
+                          tile_rows, None if norm is None else norm.data_ptr(), eps, then):
             raise MemoryError("the CPU kernel could not allocate its buffers")
         return out
 

@@ -237,6 +237,25 @@ static inline v16 v16_sub(v16 a, v16 b) {
     return (v16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
 }
 
+static inline v16 v16_add(v16 a, v16 b) {
+    return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+
+static inline v16 v16_div(v16 a, v16 b) {
+    return (v16){_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+}
+
+static inline v16 v16_abs(v16 v) {
+    __m256 sign = _mm256_set1_ps(-0.0f);
+    return (v16){_mm256_andnot_ps(sign, v.lo), _mm256_andnot_ps(sign, v.hi)};
+}
+
+/* Lane by lane, `negative` where `sign`'s sign bit is set, else `otherwise`. */
+static inline v16 v16_by_sign(v16 sign, v16 negative, v16 otherwise) {
+    return (v16){_mm256_blendv_ps(otherwise.lo, negative.lo, sign.lo),
+                 _mm256_blendv_ps(otherwise.hi, negative.hi, sign.hi)};
+}
+
 static inline float v16_max_all(v16 v) {
     return max_of(_mm256_max_ps(v.lo, v.hi));
 }

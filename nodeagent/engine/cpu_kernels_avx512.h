@@ -338,6 +338,24 @@ static inline v16 v16_sub(v16 a, v16 b) {
     return _mm512_sub_ps(a, b);
 }
 
+static inline v16 v16_add(v16 a, v16 b) {
+    return _mm512_add_ps(a, b);
+}
+
+static inline v16 v16_div(v16 a, v16 b) {
+    return _mm512_div_ps(a, b);
+}
+
+static inline v16 v16_abs(v16 v) {
+    return _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(v)));
+}
+
+/* Lane by lane, `negative` where `sign`'s sign bit is set, else `otherwise`. */
+static inline v16 v16_by_sign(v16 sign, v16 negative, v16 otherwise) {
+    __mmask16 set = _mm512_test_epi32_mask(_mm512_castps_si512(sign), _mm512_set1_epi32(INT32_MIN));
+    return _mm512_mask_mov_ps(otherwise, set, negative);
+}
+
 static inline float v16_max_all(v16 v) {
     return _mm512_reduce_max_ps(v);
 }

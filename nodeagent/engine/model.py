@@ -23,10 +23,11 @@ from nodeagent.engine.quant import (
     Int8Embedding,
     Int8Head,
     Int8Linear,
-    normed_projection,
+    gated_projection,
     quantized_linear,
+    rotated_projection,
 )
-from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table, rotate_in_place
+from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,11 @@ class LlamaModel:
         """One decoder layer on x [B,C,D]; `freqs` from `rope` for the positions of x."""
         c, w = self.config, self.layers[index]
         batch, chunk = x.shape[:2]
-        qkv = normed_projection(w.qkv, x, w.input_norm, c.rms_norm_eps)
-        rotate_in_place(qkv[..., : self._qk_width].view(batch, chunk, -1, c.head_dim), freqs)
+        qkv = rotated_projection(w.qkv, x, w.input_norm, c.rms_norm_eps, freqs, self._qk_width, c.head_dim)
         q = qkv[..., : self._q_width].view(batch, chunk, c.n_heads, c.head_dim)
         kv = qkv[..., self._q_width :].view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
         x = x + self._summed(w.o(attend(index, q, kv)))
-        gate, up = normed_projection(w.gate_up, x, w.post_norm, c.rms_norm_eps).chunk(2, dim=-1)
-        return x + self._summed(w.down(F.silu(gate) * up))
+        return x + self._summed(w.down(gated_projection(w.gate_up, x, w.post_norm, c.rms_norm_eps)))
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)

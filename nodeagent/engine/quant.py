@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from nodeagent.engine import cpu_kernels
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.linear import Linear, padded_rows
+from nodeagent.engine.rope import rotate_in_place
 
 #: A GGUF Q4 and Q8_0 block; the node's CPU kernels (`cpu_kernels.py`) take the same groups.
 GROUP = cpu_kernels.GROUP
@@ -346,6 +347,42 @@ def normed_projection(
     if isinstance(projection, (Int4Linear, Int8Linear)) and projection.product is not None:
         return _on_kernels(projection.product, x, projection.bias, norm.float().contiguous(), eps)
     return projection(F.rms_norm(x, (x.shape[-1],), norm, eps))
+
+
+def rotated_projection(
+    projection: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, norm: torch.Tensor, eps: float,
+    freqs: torch.Tensor, rotated: int, head_dim: int,
+) -> torch.Tensor:
+    """`normed_projection` with its first `rotated` outputs turned to their positions by `freqs`
+    (`rope.rotate_in_place`, [..., 1, head_dim / 2] complex); on the node's kernels, in the same
+    call and with the same bits."""
+    product = _fusable(projection, x)
+    if product is None or freqs.dtype != torch.complex64 or not freqs.is_contiguous():
+        y = normed_projection(projection, x, norm, eps)
+        rotate_in_place(y[..., :rotated].view(*y.shape[:-1], -1, head_dim), freqs)
+        return y
+    turn = cpu_kernels.Epilogue(rotary=freqs.data_ptr(), rotated=rotated, head_dim=head_dim)
+    return product(x, norm.float().contiguous(), eps, turn)
+
+
+def gated_projection(
+    projection: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """silu(gate) * up, a Llama MLP's gated unit, from `normed_projection`'s outputs gate then up;
+    on the node's kernels, in the same call."""
+    product = _fusable(projection, x)
+    if product is None:
+        gate, up = normed_projection(projection, x, norm, eps).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return product(x, norm.float().contiguous(), eps, cpu_kernels.GATED)
+
+
+def _fusable(projection: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> cpu_kernels.BoundWeight | None:
+    """The projection's product on the node's kernels where what follows it may run in the same
+    call: no bias to add first, and x already fp32 and contiguous."""
+    if not isinstance(projection, (Int4Linear, Int8Linear)) or projection.bias is not None:
+        return None
+    return projection.product if x.dtype == torch.float32 and x.is_contiguous() else None
 
 
 def _on_kernels(

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from polling import wait_until
 
 from nodeagent.engine import cpu_kernels
-from nodeagent.engine.quant import Int4Linear, Int8Linear, normed_projection
+from nodeagent.engine.quant import Int4Linear, Int8Linear, gated_projection, normed_projection, rotated_projection
+from nodeagent.engine.rope import inv_frequencies, rope_table, rotate_in_place
 
 #: Activations keep 12 bits against their group's largest, so products stay near 2^-11.
 TOLERANCE = 2e-3
@@ -134,8 +135,12 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(bits, out_features, in_feat
     norm = torch.rand(in_features, generator=generator) + 0.5
     for count in (1, 2, 3, 4, 5, 17, 130):
         rows = _rows(count, in_features, seed=count)
+        turn = cpu_kernels.Epilogue(rotary=_freqs(count, 32, seed=count).data_ptr(), rotated=out_features // 2,
+                                    head_dim=32)
         assert torch.equal(*(product(rows) for product in products))
         assert torch.equal(*(product(rows, norm, 1e-5) for product in products))
+        assert torch.equal(*(product(rows, norm, 1e-5, turn) for product in products))
+        assert torch.equal(*(product(rows * 100, None, 0.0, cpu_kernels.GATED) for product in products))
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -149,6 +154,59 @@ def test_a_norm_taken_into_the_kernel_is_torchs_rms_norm_then_the_product(kind, 
     assert fused.shape == apart.shape == (1, count, 192)
     assert _relative(fused.view(count, -1), apart.view(count, -1).double()) < TOLERANCE
     assert torch.equal(fused[:, -1:], normed_projection(projection, x[:, -1:], norm, 1e-5))
+
+
+def _freqs(count: int, head_dim: int, seed: int) -> torch.Tensor:
+    """Rotations at `count` random positions, [1, count, 1, head_dim / 2], as `LlamaModel.rope`
+    gives them."""
+    table = rope_table(inv_frequencies(head_dim, 10000.0, None), 4096, torch.device("cpu"))
+    return table[torch.randint(0, 4096, (1, count), generator=torch.Generator().manual_seed(seed))].unsqueeze(-2)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("count", [1, 5, 40])
+def test_rotary_positions_taken_into_the_kernel_give_torchs_bits(kind, count, each_build):
+    """Four of six heads turned, as q and k are and v is not."""
+    projection = _projection(kind, 384, 576, seed=count)
+    x = _rows(count, 576, seed=4).view(1, count, 576)
+    norm = torch.rand(576, generator=torch.Generator().manual_seed(count)) + 0.5
+    freqs = _freqs(count, 64, seed=count)
+    fused = rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64)
+    apart = normed_projection(projection, x, norm, 1e-5)
+    rotate_in_place(apart[..., :256].view(1, count, 4, 64), freqs)
+    assert torch.equal(fused, apart)
+    assert not torch.equal(fused, normed_projection(projection, x, norm, 1e-5))
+    assert torch.equal(fused[:, -1:], rotated_projection(projection, x[:, -1:], norm, 1e-5, freqs[:, -1:], 256, 64))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("count", [1, 5, 40])
+def test_the_gated_unit_taken_into_the_kernel_is_silu_of_the_gate_times_up(kind, count, each_build):
+    """Gates from near zero to thousands either side, where silu's exponential leaves the range."""
+    weight = torch.randn(384, 576, generator=torch.Generator().manual_seed(count)) * 0.05
+    weight[:96] *= 1000
+    projection = kind(weight)
+    x = _rows(count, 576, seed=6).view(1, count, 576)
+    norm = torch.rand(576, generator=torch.Generator().manual_seed(count)) + 0.5
+    fused = gated_projection(projection, x, norm, 1e-5)
+    gate, up = normed_projection(projection, x, norm, 1e-5).double().chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert fused.shape == (1, count, 192)
+    assert float(gate.abs().max()) > 200 and float(gate.abs().min()) < 1
+    # fp32's own rounding of -gate * log2(e) scales e^gate by up to 1 + 6e-8 |gate|, so far below
+    # zero the bound is absolute, against up
+    assert ((fused.double() - want).abs() <= 2e-6 * want.abs() + 1e-12 * up.abs()).all()
+    assert torch.equal(fused[:, -1:], gated_projection(projection, x[:, -1:], norm, 1e-5))
+
+
+def test_a_projection_with_a_bias_turns_its_rows_after_the_bias():
+    weight = torch.randn(384, 576, generator=torch.Generator().manual_seed(1)) * 0.05
+    projection = Int4Linear(weight, torch.randn(384, generator=torch.Generator().manual_seed(2)))
+    x = _rows(3, 576, seed=5).view(1, 3, 576)
+    norm, freqs = torch.ones(576), _freqs(3, 64, seed=3)
+    apart = normed_projection(projection, x, norm, 1e-5)
+    rotate_in_place(apart[..., :256].view(1, 3, 4, 64), freqs)
+    assert torch.equal(rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64), apart)
 
 
 @pytest.mark.parametrize("kind", FORMATS)
