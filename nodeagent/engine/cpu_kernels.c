@@ -162,6 +162,7 @@ typedef struct {
     int rotated;          /* a row's leading outputs turned by them, head after head (0: none) */
     int head_dim;
     int gated;            /* nonzero: a row's n sums become silu(first half) * second half, n / 2 */
+    const float *residual; /* added to each row of the result, as wide as it (NULL: nothing) */
 } epilogue;
 
 /* f as computed, a value GCC may not fuse into the sum it feeds. */
@@ -194,13 +195,17 @@ static void gate_row(const float *gate, const float *up, float *out, int n) {
 
 /* `then` on each row of sums [m][n]; gated rows land in y [m][n / 2]. */
 static void epilogue_rows(const epilogue *then, float *sums, float *y, int m, int n) {
+    int width = then->gated ? n / 2 : n;
 #pragma omp parallel for schedule(static) if (m >= SHARED_ROWS)
     for (int r = 0; r < m; r++) {
-        float *row = sums + (size_t)r * n;
+        float *row = sums + (size_t)r * n, *out = y + (size_t)r * width;
         if (then->rotated)
             rotate_row(row, then->rotary + (size_t)r * then->head_dim, then->rotated, then->head_dim);
         if (then->gated)
-            gate_row(row, row + n / 2, y + (size_t)r * (n / 2), n / 2);
+            gate_row(row, row + n / 2, out, n / 2);
+        if (then->residual != NULL)
+            for (int i = 0; i < width; i++)
+                out[i] += then->residual[(size_t)r * width + i];
     }
 }
 

@@ -90,7 +90,7 @@ class Epilogue(ctypes.Structure):
     """`epilogue` of cpu_kernels.c: what a product does to each row once its sums are in."""
 
     _fields_ = [("rotary", ctypes.c_void_p), ("rotated", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("gated", ctypes.c_int)]
+                ("gated", ctypes.c_int), ("residual", ctypes.c_void_p)]
 
 
 #: A row of 2 n sums becomes silu(first n) * last n: the gated unit of a Llama MLP.

@@ -25,6 +25,7 @@ from nodeagent.engine.quant import (
     Int8Linear,
     gated_projection,
     quantized_linear,
+    residual_projection,
     rotated_projection,
 )
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table
@@ -107,6 +108,7 @@ class LlamaModel:
         self.inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         self._q_width = config.n_heads * config.head_dim
         self._qk_width = (config.n_heads + config.n_kv_heads) * config.head_dim
+        self._kv_width = 2 * config.n_kv_heads * config.head_dim
         #: Under tensor parallelism, sums the ranks' partial o and down outputs (an all-reduce).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.set_context(min(config.max_position_embeddings, 2048))
@@ -167,13 +169,16 @@ class LlamaModel:
         c, w = self.config, self.layers[index]
         batch, chunk = x.shape[:2]
         qkv = rotated_projection(w.qkv, x, w.input_norm, c.rms_norm_eps, freqs, self._qk_width, c.head_dim)
-        q = qkv[..., : self._q_width].view(batch, chunk, c.n_heads, c.head_dim)
-        kv = qkv[..., self._q_width :].view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
-        x = x + self._summed(w.o(attend(index, q, kv)))
-        return x + self._summed(w.down(gated_projection(w.gate_up, x, w.post_norm, c.rms_norm_eps)))
+        q = qkv.narrow(-1, 0, self._q_width).view(batch, chunk, c.n_heads, c.head_dim)
+        kv = qkv.narrow(-1, self._q_width, self._kv_width).view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
+        x = self._added(w.o, attend(index, q, kv), x)
+        return self._added(w.down, gated_projection(w.gate_up, x, w.post_norm, c.rms_norm_eps), x)
 
-    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
-        return partial if self.reduce is None else self.reduce(partial)
+    def _added(self, projection: Projection, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x + projection(h), summed over the tensor-parallel group first where there is one."""
+        if self.reduce is None:
+            return residual_projection(projection, h, x)
+        return x + self.reduce(projection(h))
 
     def weight_bytes(self) -> int:
         """The bytes the weights take (a tied lm_head is the embedding, counted once)."""

@@ -377,6 +377,16 @@ def gated_projection(
     return product(x, norm.float().contiguous(), eps, cpu_kernels.GATED)
 
 
+def residual_projection(projection: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                        residual: torch.Tensor) -> torch.Tensor:
+    """residual + projection(x); on the node's kernels, the sum taken in the same call, with the
+    same bits."""
+    product = _fusable(projection, x)
+    if product is None or residual.dtype != torch.float32 or not residual.is_contiguous():
+        return residual + projection(x)
+    return product(x, then=cpu_kernels.Epilogue(residual=residual.data_ptr()))
+
+
 def _fusable(projection: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> cpu_kernels.BoundWeight | None:
     """The projection's product on the node's kernels where what follows it may run in the same
     call: no bias to add first, and x already fp32 and contiguous."""

@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from polling import wait_until
 
 from nodeagent.engine import cpu_kernels
-from nodeagent.engine.quant import Int4Linear, Int8Linear, gated_projection, normed_projection, rotated_projection
+from nodeagent.engine.quant import (
+    Int4Linear,
+    Int8Linear,
+    gated_projection,
+    normed_projection,
+    residual_projection,
+    rotated_projection,
+)
 from nodeagent.engine.rope import inv_frequencies, rope_table, rotate_in_place
 
 #: Activations keep 12 bits against their group's largest, so products stay near 2^-11.
@@ -135,12 +142,14 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(bits, out_features, in_feat
     norm = torch.rand(in_features, generator=generator) + 0.5
     for count in (1, 2, 3, 4, 5, 17, 130):
         rows = _rows(count, in_features, seed=count)
-        turn = cpu_kernels.Epilogue(rotary=_freqs(count, 32, seed=count).data_ptr(), rotated=out_features // 2,
-                                    head_dim=32)
+        freqs, residual = _freqs(count, 32, seed=count), _rows(count, out_features, seed=1)
+        turn = cpu_kernels.Epilogue(rotary=freqs.data_ptr(), rotated=out_features // 2, head_dim=32)
+        added = cpu_kernels.Epilogue(residual=residual.data_ptr())
         assert torch.equal(*(product(rows) for product in products))
         assert torch.equal(*(product(rows, norm, 1e-5) for product in products))
         assert torch.equal(*(product(rows, norm, 1e-5, turn) for product in products))
         assert torch.equal(*(product(rows * 100, None, 0.0, cpu_kernels.GATED) for product in products))
+        assert torch.equal(*(product(rows, None, 0.0, added) for product in products))
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -197,6 +206,17 @@ def test_the_gated_unit_taken_into_the_kernel_is_silu_of_the_gate_times_up(kind,
     # zero the bound is absolute, against up
     assert ((fused.double() - want).abs() <= 2e-6 * want.abs() + 1e-12 * up.abs()).all()
     assert torch.equal(fused[:, -1:], gated_projection(projection, x[:, -1:], norm, 1e-5))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("count", [1, 5, 40])
+def test_a_residual_added_in_the_kernel_gives_torchs_sum(kind, count, each_build):
+    projection = _projection(kind, 576, 384, seed=count)
+    h, x = _rows(count, 384, seed=7).view(1, count, 384), _rows(count, 576, seed=8).view(1, count, 576)
+    fused = residual_projection(projection, h, x)
+    assert torch.equal(fused, x + projection(h))
+    assert not torch.equal(fused, projection(h))
+    assert torch.equal(fused[:, -1:], residual_projection(projection, h[:, -1:], x[:, -1:]))
 
 
 def test_a_projection_with_a_bias_turns_its_rows_after_the_bias():
