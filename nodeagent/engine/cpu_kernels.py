@@ -5,9 +5,12 @@ They multiply int4 or int8 weights in groups of 32 by activations quantized per 
 tiles for more (prefill) where the processor has them, and on processors without AVX-512 VNNI an
 AVX2 build of the vector path. Every sum is exact, so every path and build gives the same bits and a
 row's products never depend on the rows beside it: a prompt prefilled in one chunk and the same
-tokens decoded one by one agree to the bit. The weights are never rounded (each group's scale,
-and minimum for int4, are fp16 as in a GGUF file), and activations keep 12 bits against the
-largest of their group, where torch's weight-only kernels round them to bf16.
+tokens decoded one by one agree to the bit. What follows a product in a Llama layer (rotary
+positions on q and k, the MLP's gated unit, the residual sum) can run in the same call, row by
+row (`Epilogue`), so a layer on the kernels runs no torch op beside its five calls. The weights
+are never rounded (each group's scale, and minimum for int4, are fp16 as in a GGUF file), and
+activations keep 12 bits against the largest of their group, where torch's weight-only kernels
+round them to bf16.
 
 Where the processor, the compiler or a projection's shape does not fit, `cpu_kernels` is None
 and projections run on torch's kernels. `SUPERFLUID_CPU_KERNELS=0` turns them off,
