@@ -219,6 +219,15 @@ def test_a_residual_added_in_the_kernel_gives_torchs_sum(kind, count, each_build
     assert torch.equal(fused[:, -1:], residual_projection(projection, h[:, -1:], x[:, -1:]))
 
 
+def test_rotations_broadcast_over_lanes_are_taken_apart_from_the_kernel():
+    """The kernel reads one rotation a row; rotations shared by two lanes go through torch."""
+    projection = _projection(Int4Linear, 384, 576, seed=1)
+    x, norm, freqs = _rows(6, 576, seed=2).view(2, 3, 576), torch.ones(576), _freqs(3, 64, seed=4)
+    apart = normed_projection(projection, x, norm, 1e-5)
+    rotate_in_place(apart[..., :256].view(2, 3, 4, 64), freqs)
+    assert torch.equal(rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64), apart)
+
+
 def test_a_projection_with_a_bias_turns_its_rows_after_the_bias():
     weight = torch.randn(384, 576, generator=torch.Generator().manual_seed(1)) * 0.05
     projection = Int4Linear(weight, torch.randn(384, generator=torch.Generator().manual_seed(2)))
