@@ -214,11 +214,9 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
     int groups = k_all / GROUP, status = 0, gated = then != NULL && then->gated;
     activations a = {malloc((size_t)m * k_all * 2), malloc((size_t)m * groups * 4), malloc((size_t)m * groups * 4)};
     float *normed = norm == NULL ? NULL : malloc((size_t)m * k_all * 4);
-    float *sums = gated ? malloc((size_t)m * n * 4) : y;
+    float *ungated = gated ? malloc((size_t)m * n * 4) : NULL, *sums = gated ? ungated : y;
     if (a.halves == NULL || a.step == NULL || a.total == NULL || (norm != NULL && normed == NULL) || sums == NULL) {
-        free(a.halves), free(a.step), free(a.total), free(normed);
-        if (gated)
-            free(sums);
+        free(a.halves), free(a.step), free(a.total), free(normed), free(ungated);
         return -1;
     }
     if (norm != NULL) {
@@ -233,9 +231,7 @@ static int product(const float *x, const weight *w, float *y, int m, int n, int 
         vectored(x, &a, w, sums, m, n, k_all);
     if (then != NULL && status == 0)
         epilogue_rows(then, sums, y, m, n);
-    free(a.halves), free(a.step), free(a.total), free(normed);
-    if (gated)
-        free(sums);
+    free(a.halves), free(a.step), free(a.total), free(normed), free(ungated);
     return status;
 }
 

@@ -172,6 +172,13 @@ def _freqs(count: int, head_dim: int, seed: int) -> torch.Tensor:
     return table[torch.randint(0, 4096, (1, count), generator=torch.Generator().manual_seed(seed))].unsqueeze(-2)
 
 
+def _rotated_apart(projection, x: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The product, then its first four heads of 64 turned by torch."""
+    apart = normed_projection(projection, x, norm, 1e-5)
+    rotate_in_place(apart[..., :256].view(*x.shape[:-1], 4, 64), freqs)
+    return apart
+
+
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("count", [1, 5, 40])
 def test_rotary_positions_taken_into_the_kernel_give_torchs_bits(kind, count, each_build):
@@ -181,9 +188,7 @@ def test_rotary_positions_taken_into_the_kernel_give_torchs_bits(kind, count, ea
     norm = torch.rand(576, generator=torch.Generator().manual_seed(count)) + 0.5
     freqs = _freqs(count, 64, seed=count)
     fused = rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64)
-    apart = normed_projection(projection, x, norm, 1e-5)
-    rotate_in_place(apart[..., :256].view(1, count, 4, 64), freqs)
-    assert torch.equal(fused, apart)
+    assert torch.equal(fused, _rotated_apart(projection, x, norm, freqs))
     assert not torch.equal(fused, normed_projection(projection, x, norm, 1e-5))
     assert torch.equal(fused[:, -1:], rotated_projection(projection, x[:, -1:], norm, 1e-5, freqs[:, -1:], 256, 64))
 
@@ -223,9 +228,8 @@ def test_rotations_broadcast_over_lanes_are_taken_apart_from_the_kernel():
     """The kernel reads one rotation a row; rotations shared by two lanes go through torch."""
     projection = _projection(Int4Linear, 384, 576, seed=1)
     x, norm, freqs = _rows(6, 576, seed=2).view(2, 3, 576), torch.ones(576), _freqs(3, 64, seed=4)
-    apart = normed_projection(projection, x, norm, 1e-5)
-    rotate_in_place(apart[..., :256].view(2, 3, 4, 64), freqs)
-    assert torch.equal(rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64), apart)
+    assert torch.equal(rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64),
+                       _rotated_apart(projection, x, norm, freqs))
 
 
 def test_a_projection_with_a_bias_turns_its_rows_after_the_bias():
@@ -233,9 +237,8 @@ def test_a_projection_with_a_bias_turns_its_rows_after_the_bias():
     projection = Int4Linear(weight, torch.randn(384, generator=torch.Generator().manual_seed(2)))
     x = _rows(3, 576, seed=5).view(1, 3, 576)
     norm, freqs = torch.ones(576), _freqs(3, 64, seed=3)
-    apart = normed_projection(projection, x, norm, 1e-5)
-    rotate_in_place(apart[..., :256].view(1, 3, 4, 64), freqs)
-    assert torch.equal(rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64), apart)
+    assert torch.equal(rotated_projection(projection, x, norm, 1e-5, freqs, 256, 64),
+                       _rotated_apart(projection, x, norm, freqs))
 
 
 @pytest.mark.parametrize("kind", FORMATS)
