@@ -254,3 +254,4 @@ int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, floa
 }
 
 #include "cpu_attention.h"
+#include "cpu_layers.h"

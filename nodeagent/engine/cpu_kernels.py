@@ -39,8 +39,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-#: The files `SOURCE` includes: one for each build, and the attention kernel.
-HEADERS = [SOURCE.with_name(name) for name in ("cpu_kernels_avx512.h", "cpu_kernels_avx2.h", "cpu_attention.h")]
+#: The files `SOURCE` includes: one for each build, the attention kernel and the layer stack.
+HEADERS = [SOURCE.with_name(name)
+           for name in ("cpu_kernels_avx512.h", "cpu_kernels_avx2.h", "cpu_attention.h", "cpu_layers.h")]
 COMMON_FLAGS = ["-O2", "-fPIC", "-shared", "-fopenmp"]
 TILE_CPU_FLAGS = {"amx_tile", "amx_int8"}
 
@@ -100,6 +101,52 @@ class Epilogue(ctypes.Structure):
 GATED = Epilogue(gated=1)
 
 
+class PackedWeight(ctypes.Structure):
+    """`weight` of cpu_kernels.c: codes and scales in the kernels' layouts, and the code width."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bits", ctypes.c_int)]
+
+
+class LayerWeights(ctypes.Structure):
+    """`layer_weights` of cpu_layers.h."""
+
+    _fields_ = [*((name, PackedWeight) for name in ("qkv", "o", "gate_up", "down")),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+
+
+class StackCall(ctypes.Structure):
+    """`layer_stack` of cpu_layers.h."""
+
+    _fields_ = [("layers", ctypes.POINTER(LayerWeights)), ("n_layers", ctypes.c_int), ("pool", ctypes.c_void_p),
+                ("pool_layer", ctypes.c_long), ("attention", AttentionCall), ("rotary", ctypes.c_void_p),
+                *((name, ctypes.c_int) for name in ("hidden", "intermediate", "tile_rows")), ("eps", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer's part of a `LayerStack`: its products on the kernels and its norms."""
+
+    qkv: BoundWeight
+    o: BoundWeight
+    gate_up: BoundWeight
+    down: BoundWeight
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """What a `LayerStack` needs of the model's shape."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    window: int
+
+
 class CpuKernels:
     """`sf_int4_mm` and `sf_int8_mm` of the built library: fp32 rows times a quantized weight in
     the kernels' layouts."""
@@ -114,6 +161,9 @@ class CpuKernels:
         self._attention = library.sf_paged_attention
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [ctypes.POINTER(AttentionCall)]
+        self._layers = library.sf_llama_layers
+        self._layers.restype = ctypes.c_int
+        self._layers.argtypes = [ctypes.c_void_p, ctypes.POINTER(StackCall)]
         self.build = build
         #: Whether calls of `TILE_ROWS` rows or more run on AMX tiles.
         self.tiles = tiles
@@ -183,8 +233,12 @@ class CpuKernels:
     def bound(self, bits: int, packed: torch.Tensor, scales: torch.Tensor) -> BoundWeight:
         """The product by one packed weight, for a projection to call at every step."""
         columns = packed.shape[1] * (2 if bits == 4 else 1)
-        return BoundWeight(self._int4 if bits == 4 else self._int8, packed, scales, columns,
+        return BoundWeight(self._int4 if bits == 4 else self._int8, packed, scales, bits, columns,
                            TILE_ROWS if self.tiles else None)
+
+    def layer_stack(self, layers: list[StackLayer], shape: StackShape) -> LayerStack:
+        """A decoder's layers as one call a step, with the bits of their calls one by one."""
+        return LayerStack(self._layers, layers, shape, self.tiles)
 
     def attention(self, pool: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
                   blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
@@ -250,11 +304,12 @@ class BoundWeight:
     shape are worked out once: a decode step makes over a hundred of these calls, each a few
     microseconds of the kernel's own."""
 
-    def __init__(self, function: Callable[..., int], packed: torch.Tensor, scales: torch.Tensor, columns: int,
-                 tile_rows: int | None):
+    def __init__(self, function: Callable[..., int], packed: torch.Tensor, scales: torch.Tensor, bits: int,
+                 columns: int, tile_rows: int | None):
         self._function = function
         self._held = (packed, scales)  # the pointers below stay theirs
         self._weight = (packed.data_ptr(), scales.data_ptr())
+        self.packed = PackedWeight(*self._weight, bits)
         self._outputs, self._columns, self._tile_rows = packed.shape[0], columns, tile_rows
 
     def __call__(self, rows: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -269,6 +324,43 @@ class BoundWeight:
                           tile_rows, None if norm is None else norm.data_ptr(), eps, then):
             raise MemoryError("the CPU kernel could not allocate its buffers")
         return out
+
+
+class LayerStack:
+    """x [B,C,D] through every decoder layer in one call (`sf_llama_layers`), in place. Each layer
+    makes the calls `LlamaModel.layer` makes on the kernels, so the bits are the same; the Python
+    between them is what goes."""
+
+    def __init__(self, function: Callable[..., int], layers: list[StackLayer], shape: StackShape, tiles: bool):
+        self._function = function
+        table = (LayerWeights * len(layers))(*(
+            LayerWeights(layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed,
+                         layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
+            for layer in layers))
+        self._call = StackCall(layers=table, n_layers=len(layers), hidden=shape.hidden,
+                               intermediate=shape.intermediate, eps=shape.eps)
+        self._call.attention = AttentionCall(heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                                             window=shape.window)
+        self._held = (layers, table)  # the pointers above stay theirs
+        self._tiles = tiles
+
+    def __call__(self, x: torch.Tensor, rotary: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                 blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x fp32 contiguous, `rotary` each row's rotations (complex64 [B,C,1,hd/2], contiguous),
+        `pool` the KV pool (`KVPool.kv`); the rest as `CpuKernels.attention` takes them."""
+        call, lanes = self._call, self._call.attention
+        lanes.batch, lanes.chunk = x.shape[:2]
+        lanes.slots, lanes.blocks, lanes.starts, lanes.counts = (
+            slots.data_ptr(), blocks.data_ptr(), starts.data_ptr(), counts.data_ptr())
+        lanes.table = blocks.shape[1]
+        call.pool, call.pool_layer, call.rotary = pool.data_ptr(), pool.stride(0), rotary.data_ptr()
+        call.tile_rows = TILE_ROWS if self._tiles else x.numel() + 1
+        status = self._function(x.data_ptr(), ctypes.byref(call))
+        if status == -1:
+            raise MemoryError("the CPU kernels could not allocate their buffers")
+        if status:
+            raise ValueError(f"the CPU attention kernel does not take a head size of {lanes.head_dim}")
+        return x
 
 
 def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nodeagent.engine.choices import WeightFormat
+from nodeagent.engine.cpu_kernels import LayerStack, StackLayer, StackShape, cpu_kernels
 from nodeagent.engine.linear import Linear, tied_layout
 from nodeagent.engine.quant import (
     Int4Linear,
@@ -27,6 +28,7 @@ from nodeagent.engine.quant import (
     quantized_linear,
     residual_projection,
     rotated_projection,
+    unbiased_product,
 )
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table
 
@@ -111,6 +113,7 @@ class LlamaModel:
         self._kv_width = 2 * config.n_kv_heads * config.head_dim
         #: Under tensor parallelism, sums the ranks' partial o and down outputs (an all-reduce).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._stack = _layer_stack(config, layers) if self.dtype == torch.float32 else None
         self.set_context(min(config.max_position_embeddings, 2048))
 
     @property
@@ -173,6 +176,12 @@ class LlamaModel:
         kv = qkv.narrow(-1, self._q_width, self._kv_width).view(batch, chunk, 2, c.n_kv_heads, c.head_dim)
         x = self._added(w.o, attend(index, q, kv), x)
         return self._added(w.down, gated_projection(w.gate_up, x, w.post_norm, c.rms_norm_eps), x)
+
+    def layer_stack(self) -> LayerStack | None:
+        """Every layer as one call on the node's CPU kernels, with the bits of `layer`'s calls:
+        where each projection runs on them without a bias, the model is fp32, and no
+        tensor-parallel sum comes between; else None."""
+        return self._stack if self.reduce is None else None
 
     def _added(self, projection: Projection, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x + projection(h), summed over the tensor-parallel group first where there is one."""
@@ -241,6 +250,25 @@ class LlamaModel:
         for index in range(start, end):
             x = self.layer(index, x, freqs, attend)
         return x
+
+
+def _layer_stack(c: ModelConfig, layers: list[LayerWeights]) -> LayerStack | None:
+    """`LlamaModel.layer_stack`'s stack, where every layer's projections have unbiased products
+    on the node's CPU kernels."""
+    parts = [part for part in map(_stack_layer, layers) if part is not None]
+    kernels = cpu_kernels() if layers and len(parts) == len(layers) else None
+    if kernels is None:
+        return None
+    shape = StackShape(c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_norm_eps,
+                       c.sliding_window or 0)
+    return kernels.layer_stack(parts, shape)
+
+
+def _stack_layer(w: LayerWeights) -> StackLayer | None:
+    qkv, o, gate_up, down = (unbiased_product(p) for p in (w.qkv, w.o, w.gate_up, w.down))
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    return StackLayer(qkv, o, gate_up, down, w.input_norm.contiguous(), w.post_norm.contiguous())
 
 
 def _nbytes(part: torch.Tensor | Projection | Int8Embedding) -> int:

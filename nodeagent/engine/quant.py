@@ -396,9 +396,14 @@ def residual_projection(projection: Callable[[torch.Tensor], torch.Tensor], x: t
 def _fusable(projection: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> cpu_kernels.BoundWeight | None:
     """The projection's product on the node's kernels where what follows it may run in the same
     call: no bias to add first, and x already fp32 and contiguous."""
+    return unbiased_product(projection) if x.dtype == torch.float32 and x.is_contiguous() else None
+
+
+def unbiased_product(projection: Callable[[torch.Tensor], torch.Tensor]) -> cpu_kernels.BoundWeight | None:
+    """The projection's product on the node's kernels where it has no bias, else None."""
     if not isinstance(projection, (Int4Linear, Int8Linear)) or projection.bias is not None:
         return None
-    return projection.product if x.dtype == torch.float32 and x.is_contiguous() else None
+    return projection.product
 
 
 def _on_kernels(

@@ -124,11 +124,15 @@ def forward_batch(
         valid = arange[:width] < batch.counts[:, None]
         write = write.masked_fill(~valid, pool.scratch_slot)
         positions = positions.masked_fill(~valid, 0)
-    attend = paged_attend(model, pool, batch, positions, write.reshape(-1), kernels)
     x = model.embed(batch.tokens)
     freqs = model.rope(positions)
-    for layer in range(model.config.n_layers):
-        x = model.layer(layer, x, freqs, attend)
+    stack = model.layer_stack() if kernels is not None else None
+    if stack is not None:
+        x = stack(x.contiguous(), freqs, pool.kv, write.reshape(-1), batch.blocks, batch.starts, batch.counts)
+    else:
+        attend = paged_attend(model, pool, batch, positions, write.reshape(-1), kernels)
+        for layer in range(model.config.n_layers):
+            x = model.layer(layer, x, freqs, attend)
     if width == 1:
         return x[:, 0]
     return x[torch.arange(x.shape[0], device=x.device), batch.counts - 1]

@@ -8,10 +8,10 @@ import dataclasses
 import threading
 
 import pytest
-from helpers import greedy
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
+from helpers import greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tinymodel import TINY
@@ -22,9 +22,11 @@ from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.choices import WeightFormat
 from nodeagent.engine.gguf_file import load_gguf, projection_bits
+from nodeagent.engine.kvpool import KVPool
 from nodeagent.engine.linear import Linear
 from nodeagent.engine.model import LlamaModel
 from nodeagent.engine.quant import WeightFormatError, choose_format
+from nodeagent.engine.scheduler import Batch, attention_kernels, forward_batch
 from nodeagent.engine.torch_engine import TorchDaemon
 
 CPU = torch.device("cpu")
@@ -97,6 +99,58 @@ needs_unpacking = pytest.mark.skipif(
 
 
 @needs_int4
+def _steps(model: LlamaModel, stacked: bool, monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three lanes prefilled in one padded chunk, then two decode steps, the last with two lanes:
+    each step's hidden states, and the pool they wrote."""
+    if not stacked:
+        monkeypatch.setattr(model, "layer_stack", lambda: None)
+    pool = KVPool(TINY.n_layers, TINY.n_kv_heads, TINY.head_dim, 12, torch.float32, CPU)
+    pool.zero(list(range(13)))
+    arange, blocks = torch.arange(64), torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    lengths, out = [37, 5, 20], []
+    prompts = torch.tensor([[(7 * i + 3 * b) % TINY.vocab_size for i in range(37)] for b in range(3)])
+    steps = [(prompts, torch.tensor(lengths), torch.zeros(3, dtype=torch.long), blocks),
+             (torch.tensor([[9], [8], [7]]), torch.ones(3, dtype=torch.long), torch.tensor(lengths), blocks),
+             (torch.tensor([[6], [5]]), torch.ones(2, dtype=torch.long), torch.tensor([38, 21]), blocks[[0, 2]])]
+    with torch.inference_mode():
+        for tokens, counts, starts, table in steps:
+            batch = Batch(tokens, counts, starts, table, torch.tensor([], dtype=torch.long))
+            out.append(forward_batch(model, pool, arange, batch, attention_kernels(pool)))
+    monkeypatch.undo()
+    return out, pool.kv.clone()
+
+
+@pytest.mark.parametrize("weights", [WeightFormat.INT4, WeightFormat.INT8])
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_layers_in_one_kernel_call_give_the_bits_of_their_calls_one_by_one(weights, window, monkeypatch):
+    config = dataclasses.replace(TINY, sliding_window=window)
+    model = LlamaModel.from_source(config, DictSource(random_tensors(config, seed=4, std=0.1)), torch.float32, CPU,
+                                   weights)
+    if model.layer_stack() is None:
+        pytest.skip("the node's CPU kernels do not run here")
+    (stacked, stacked_pool), (apart, apart_pool) = (_steps(model, s, monkeypatch) for s in (True, False))
+    assert all(torch.equal(a, b) for a, b in zip(stacked, apart, strict=True))
+    assert torch.equal(stacked_pool, apart_pool)
+
+
+def test_the_layers_run_apart_where_a_tensor_parallel_sum_comes_between(int4_model):
+    if int4_model.layer_stack() is None:
+        pytest.skip("the node's CPU kernels do not run here")
+    int4_model.reduce = lambda partial: partial
+    try:
+        assert int4_model.layer_stack() is None
+    finally:
+        int4_model.reduce = None
+
+
+def test_a_projection_with_a_bias_keeps_the_layers_apart():
+    if cpu_kernels.cpu_kernels() is None:
+        pytest.skip("the node's CPU kernels do not run here")
+    tensors = random_tensors(TINY, seed=4, std=0.1, qkv_bias=True)
+    model = LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, CPU, WeightFormat.INT4)
+    assert model.layer_stack() is None
+
+
 @needs_unpacking
 @pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 @pytest.mark.parametrize("shape", [(64, 32), (192, 96), (960, 576)])
