@@ -7,7 +7,8 @@ AVX2 build of the vector path. Every sum is exact, so every path and build gives
 row's products never depend on the rows beside it: a prompt prefilled in one chunk and the same
 tokens decoded one by one agree to the bit. What follows a product in a Llama layer (rotary
 positions on q and k, the MLP's gated unit, the residual sum) can run in the same call, row by
-row (`Epilogue`), so a layer on the kernels runs no torch op beside its five calls. The weights
+row (`Epilogue`), so a layer on the kernels runs no torch op beside its five calls, and a
+model's whole stack of layers can run as one call a step (`LayerStack`, cpu_layers.h). The weights
 are never rounded (each group's scale, and minimum for int4, are fp16 as in a GGUF file), and
 activations keep 12 bits against the largest of their group, where torch's weight-only kernels
 round them to bf16.
