@@ -162,6 +162,9 @@ class CpuKernels:
         self._attention = library.sf_paged_attention
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [ctypes.POINTER(AttentionCall)]
+        self._chosen = library.sf_int8_chosen
+        self._chosen.restype = None
+        self._chosen.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
         self._layers = library.sf_llama_layers
         self._layers.restype = ctypes.c_int
         self._layers.argtypes = [ctypes.c_void_p, ctypes.POINTER(StackCall)]
@@ -230,6 +233,16 @@ class CpuKernels:
         """rows [m, k] fp32 contiguous times w = scale * code (`packed` [n, k] int8 from
         `pack_int8`, `scales` from `pack_scales(scale)`), as [m, n] fp32."""
         return self.bound(8, packed, scales)(rows)
+
+    def int8_chosen(self, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    chosen: torch.Tensor) -> torch.Tensor:
+        """rows [m, k] fp32 contiguous times the outputs `chosen` [m, j] (int64, contiguous) of an
+        int8 weight in the kernels' layouts, as [m, j] fp32: each in fp32 from the codes and scales
+        themselves, no activation rounded."""
+        out = torch.empty(chosen.shape)
+        self._chosen(rows.data_ptr(), packed.data_ptr(), scales.data_ptr(), chosen.data_ptr(), out.data_ptr(),
+                     *chosen.shape, rows.shape[1])
+        return out
 
     def bound(self, bits: int, packed: torch.Tensor, scales: torch.Tensor) -> BoundWeight:
         """The product by one packed weight, for a projection to call at every step."""

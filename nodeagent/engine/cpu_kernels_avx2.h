@@ -225,6 +225,20 @@ static inline v16 v16_set1(float x) {
     return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)};
 }
 
+/* One fp16 value as a float. */
+static inline float float_of_fp16(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+static inline __m256 floats_of_int8(const int8_t *at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
+}
+
+/* Sixteen int8 as floats. */
+static inline v16 v16_from_int8(const int8_t *at) {
+    return (v16){floats_of_int8(at), floats_of_int8(at + 8)};
+}
+
 static inline v16 v16_fma(v16 a, v16 b, v16 c) {
     return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }

@@ -326,6 +326,16 @@ static inline v16 v16_set1(float x) {
     return _mm512_set1_ps(x);
 }
 
+/* One fp16 value as a float. */
+static inline float float_of_fp16(uint16_t h) {
+    return _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_cvtph_ps(_mm256_set1_epi16((short)h))));
+}
+
+/* Sixteen int8 as floats. */
+static inline v16 v16_from_int8(const int8_t *at) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
+}
+
 static inline v16 v16_fma(v16 a, v16 b, v16 c) {
     return _mm512_fmadd_ps(a, b, c);
 }

@@ -207,11 +207,17 @@ class Int8Head(Int8Linear):
         first = self.scout(rows) if greedy and self.scout is not None else super().__call__(rows)
         logits = first.float()
         top = logits.topk(min(self.REFINED, self.out_features), dim=-1).indices
-        weights = self.weight_rows(top.flatten()).view(*top.shape, self.in_features)
-        exact = torch.einsum("mkd,md->mk", weights, rows)
+        exact = self._products(rows, top)
         if self.bias is not None:
             exact += self.bias[top].float()
         return logits.scatter_(1, top, exact).view(*x.shape[:-1], self.out_features)
+
+    def _products(self, rows: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """rows [m, in] times the weight rows `top` [m, j], in fp32."""
+        if self.kernels is not None:
+            return self.kernels.int8_chosen(rows.contiguous(), self.codes, self.scales, top)
+        weights = self.weight_rows(top.flatten()).view(*top.shape, self.in_features)
+        return torch.einsum("mkd,md->mk", weights, rows)
 
 
 class Int4Linear:

@@ -227,14 +227,16 @@ def test_an_int4_weight_of_a_shape_the_kernel_cannot_tile_is_refused_or_held_as_
 
 
 @needs_int8
-def test_the_int8_heads_top_logits_are_exact_fp32_products():
+@pytest.mark.parametrize(("outputs", "inputs"), [(1000, 64), (1024, 64), (1024, 576)])  # torch's kernel, the node's
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_int8_heads_top_logits_are_exact_fp32_products(outputs, inputs, greedy):
     """The kernel rounds to bf16; the refined top is the fp32 product of the same int8 weight,
     so two tokens a hundredth apart keep their order."""
-    weight = torch.randn(1000, 64)
+    weight = torch.randn(outputs, inputs)
     head = quant.Int8Head(weight)
-    x = torch.randn(3, 64)
+    x = torch.randn(3, inputs)
     want = F.linear(x, head.dequantized())
-    got = head(x)
+    got = head(x, greedy=greedy)
     top = want.topk(4, dim=-1).indices  # well inside the refined 16, whatever bf16 did to the 16th
     assert torch.allclose(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
