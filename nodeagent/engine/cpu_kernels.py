@@ -351,18 +351,24 @@ class LayerStack:
             LayerWeights(layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed,
                          layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
             for layer in layers))
-        self._call = StackCall(layers=table, n_layers=len(layers), hidden=shape.hidden,
-                               intermediate=shape.intermediate, eps=shape.eps)
-        self._call.attention = AttentionCall(heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                                             window=shape.window)
+        self._template = StackCall(layers=table, n_layers=len(layers), hidden=shape.hidden,
+                                   intermediate=shape.intermediate, eps=shape.eps)
+        self._template.attention = AttentionCall(heads=shape.heads, kv_heads=shape.kv_heads,
+                                                 head_dim=shape.head_dim, window=shape.window)
         self._held = (layers, table)  # the pointers above stay theirs
         self._tiles = tiles
 
     def __call__(self, x: torch.Tensor, rotary: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                  blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x fp32 contiguous, `rotary` each row's rotations (complex64 [B,C,1,hd/2], contiguous),
-        `pool` the KV pool (`KVPool.kv`); the rest as `CpuKernels.attention` takes them."""
-        call, lanes = self._call, self._call.attention
+        """x [B,C,D] fp32 contiguous, `rotary` each row's rotations (complex64 [B,C,1,hd/2],
+        contiguous), `pool` the KV pool (`KVPool.kv`); the rest as `CpuKernels.attention` takes
+        them. Calls from several threads at once each fill in their own copy of the call."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] != self._template.hidden:
+            raise ValueError(f"the layer stack takes fp32 rows of {self._template.hidden}, contiguous")
+        if rotary.dtype != torch.complex64 or not rotary.is_contiguous() or rotary.shape[:2] != x.shape[:2]:
+            raise ValueError("the layer stack takes one contiguous complex64 rotation for each row")
+        call = StackCall.from_buffer_copy(self._template)
+        lanes = call.attention
         lanes.batch, lanes.chunk = x.shape[:2]
         lanes.slots, lanes.blocks, lanes.starts, lanes.counts = (
             slots.data_ptr(), blocks.data_ptr(), starts.data_ptr(), counts.data_ptr())

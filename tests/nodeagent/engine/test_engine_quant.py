@@ -133,6 +133,47 @@ def test_the_layers_in_one_kernel_call_give_the_bits_of_their_calls_one_by_one(w
     assert torch.equal(stacked_pool, apart_pool)
 
 
+def _prefilled(model: LlamaModel, seed: int) -> torch.Tensor:
+    """A 40-token prompt prefilled on its own pool: the hidden state at its last token."""
+    pool = KVPool(TINY.n_layers, TINY.n_kv_heads, TINY.head_dim, 4, torch.float32, CPU)
+    pool.zero(list(range(5)))  # as the scheduler hands blocks out: a key past a row's own is 0, not garbage
+    tokens = torch.randint(0, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(seed))
+    batch = Batch(tokens, torch.tensor([40]), torch.tensor([0]), torch.tensor([[0, 1, 2]]), torch.tensor([]))
+    with torch.inference_mode():
+        return forward_batch(model, pool, torch.arange(64), batch, attention_kernels(pool))
+
+
+def test_steps_through_the_layer_stack_from_many_threads_at_once_each_get_their_own(int4_model):
+    if int4_model.layer_stack() is None:
+        pytest.skip("the node's CPU kernels do not run here")
+    alone = [_prefilled(int4_model, seed) for seed in range(6)]
+    together: dict[int, list[torch.Tensor]] = {}
+    threads = [threading.Thread(target=lambda s=seed: together.update({s: [_prefilled(int4_model, s)
+                                                                           for _ in range(8)]}))
+               for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(torch.equal(got, alone[seed]) for seed in range(6) for got in together[seed])
+
+
+def test_the_layer_stack_refuses_rows_and_rotations_it_cannot_read(int4_model):
+    stack = int4_model.layer_stack()
+    if stack is None:
+        pytest.skip("the node's CPU kernels do not run here")
+    x, rotary = torch.zeros(2, 1, TINY.hidden_size), torch.ones(2, 1, 1, TINY.head_dim // 2, dtype=torch.complex64)
+    lanes = (torch.zeros(2, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+             torch.ones(2, dtype=torch.long))
+    pool = torch.zeros(1)
+    with pytest.raises(ValueError, match="fp32 rows"):
+        stack(x.double(), rotary, pool, *lanes)
+    with pytest.raises(ValueError, match="fp32 rows"):
+        stack(torch.zeros(2, 1, TINY.hidden_size + 32), rotary, pool, *lanes)
+    with pytest.raises(ValueError, match="one contiguous complex64 rotation for each row"):
+        stack(x, rotary[:1], pool, *lanes)
+
+
 def test_the_layers_run_apart_where_a_tensor_parallel_sum_comes_between(int4_model):
     if int4_model.layer_stack() is None:
         pytest.skip("the node's CPU kernels do not run here")
