@@ -16,7 +16,7 @@ from engine_faults import die, hang, oom, raise_
 from harness import Measured, Row, WatchedNode, warm_up
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from soak import soak_mock, soak_torch
+from soak import soak_mock, soak_torch, soak_torch_int4
 from strategies import structs
 
 from conformance.head import FleetHead, Generation
@@ -508,4 +508,5 @@ ROWS = [
     (oom, {"heads": 4}, {"heads": 4}),
     (soak_mock, {"seconds": 180}, {"seconds": 10}),
     (soak_torch, {"seconds": 300}, None),
+    (soak_torch_int4, {"seconds": 180}, None),
 ]

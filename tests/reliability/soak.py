@@ -5,7 +5,8 @@ revoked when its generation ends. Every token is checked against a reference; th
 resident memory is sampled throughout, and over the second half of the run it must grow by
 less than `GROWTH_BOUND` (docs/hardening.md).
 
-`python tests/reliability/soak.py {mock|torch} SECONDS` runs one soak and prints its curve.
+`python tests/reliability/soak.py {mock|torch|torch-int4} SECONDS` runs one soak and prints its
+curve.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ MOCK_ARGS = ("--listen", "127.0.0.1:0", "--engine", "mock")
 #: A KV pool of about 100 blocks against eight lanes of up to 15 blocks: preemption and the
 #: prefix cache both run.
 TORCH_ARGS = ("--listen", "127.0.0.1:0", "--model", "builtin", "--kv-budget-mb", "16", "--max-context", "512")
+#: The same on int4 weights: the node's CPU kernels and their layer stack, where they run.
+TORCH_INT4_ARGS = (*TORCH_ARGS, "--weights", "int4")
 #: The torch soak's prompts: a prefix of 2 to 8 whole blocks shared with other prompts, then a
 #: suffix of its own; max_new tokens up to 96.
 PREFIX_BLOCKS = (2, 4, 6, 8)
@@ -95,19 +98,19 @@ class TorchReference:
     by a `TorchDaemon` of this process: independent of the node's batching, preemption and
     prefix cache."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, weights: str = "auto") -> None:
         prefixes = [[rng.randrange(3, 32000) for _ in range(16 * n)] for n in PREFIX_BLOCKS]
         suffixes = [[rng.randrange(3, 32000) for _ in range(rng.randint(1, 24))] for _ in range(SUFFIXES)]
         self.prompts = [p + s for p in prefixes for s in suffixes]
-        self._answers = self._compute(self.prompts)
+        self._answers = self._compute(self.prompts, weights)
 
     @staticmethod
-    def _compute(prompts: list[list[int]]) -> dict[tuple[int, ...], tuple[list[int], int]]:
+    def _compute(prompts: list[list[int]], weights: str) -> dict[tuple[int, ...], tuple[list[int], int]]:
         from nodeagent.daemon import GenExtras
         from nodeagent.engine.torch_engine import TorchDaemon
         from proto.params import GenParams
 
-        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=1, threads=1)
+        daemon = TorchDaemon.load("builtin", device="cpu", max_batch=1, threads=1, weights=weights)
         try:
             answers = {}
             for prompt in prompts:
@@ -217,8 +220,14 @@ def soak_torch(seconds: float) -> Row:
     return soak("soak, torch builtin", TORCH_ARGS, torch_load(), seconds)[0]
 
 
-def torch_load() -> Load:
-    reference = TorchReference(random.Random(34))
+def soak_torch_int4(seconds: float) -> Row:
+    """The torch soak on int4 weights: one lane at a time in this process must give the node's
+    tokens under batching, preemption and the prefix cache, as the kernels' exact sums promise."""
+    return soak("soak, torch builtin int4", TORCH_INT4_ARGS, torch_load("int4"), seconds)[0]
+
+
+def torch_load(weights: str = "auto") -> Load:
+    reference = TorchReference(random.Random(34), weights)
     return Load(reference.pick, reference.expect)
 
 
@@ -289,8 +298,11 @@ def _fill(row: Row, node: WatchedNode, tally: Tally, samples: list[Sample], thre
 
 def main(argv: list[str]) -> int:
     kind, seconds = argv[0], float(argv[1])
-    load = torch_load() if kind == "torch" else Load(random_prompts, mock_expect)
-    row, samples = soak(f"soak, {kind}", TORCH_ARGS if kind == "torch" else MOCK_ARGS, load, seconds)
+    args, load = {
+        "torch": (TORCH_ARGS, torch_load()),
+        "torch-int4": (TORCH_INT4_ARGS, torch_load("int4")),
+    }.get(kind, (MOCK_ARGS, Load(random_prompts, mock_expect)))
+    row, samples = soak(f"soak, {kind}", args, load, seconds)
     for s in samples:
         print(f"{s.at:7.1f} s  {s.rss / 2**20:7.1f} MB  {s.threads:3d} threads  {s.generations:8d} gens")
     print(table([row]))
