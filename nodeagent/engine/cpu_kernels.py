@@ -149,8 +149,9 @@ class StackShape:
 
 
 class CpuKernels:
-    """`sf_int4_mm` and `sf_int8_mm` of the built library: fp32 rows times a quantized weight in
-    the kernels' layouts."""
+    """The built library's entry points: `sf_int4_mm` and `sf_int8_mm` (fp32 rows times a
+    quantized weight in the kernels' layouts), the paged attention, the int8 head's chosen
+    products and the layer stack."""
 
     def __init__(self, library: ctypes.CDLL, build: Build, tiles: bool):
         self._int4 = library.sf_int4_mm
