@@ -255,18 +255,17 @@ int sf_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, floa
 
 /* x's row r times output o of an int8 weight in the kernels' layout, in fp32: each group's codes
  * times x lane by lane, scaled and summed across groups in 16 lanes, then the lanes in order. */
-static float chosen_product(const float *x, const int8_t *codes, const uint16_t *scales, int64_t o, int k_all) {
-    int groups = k_all / GROUP;
-    const int8_t *tile = codes + (size_t)(o / 16) * k_all * 16 + (o % 16) * 4;
-    const uint16_t *scale = scales + (size_t)(o / 16) * groups * 16 + o % 16;
+static float chosen_product(const float *x, const weight *w, int64_t o, int k_all) {
+    int groups = k_all / GROUP, t = (int)(o / 16), lane = (int)(o % 16);
+    const uint8_t *codes = w->codes + t * column_tile_bytes(w->bits, k_all) + 4 * lane;
     v16 acc = v16_set1(0);
     for (int g = 0; g < groups; g++) {
         int8_t group[GROUP];
         for (int p = 0; p < QUADS; p++)
-            memcpy(group + 4 * p, tile + (size_t)(g * QUADS + p) * UNIT, 4);
+            memcpy(group + 4 * p, codes + (size_t)(g * QUADS + p) * UNIT, 4);
         v16 part = v16_mul(v16_from_int8(group), v16_load(x + g * GROUP));
         part = v16_fma(v16_from_int8(group + 16), v16_load(x + g * GROUP + 16), part);
-        acc = v16_fma(v16_set1(float_of_fp16(scale[(size_t)g * 16])), part, acc);
+        acc = v16_fma(v16_set1(float_of_fp16(group_scales(w, t, groups, g)[lane])), part, acc);
     }
     float lanes[16], total = 0;
     v16_store(lanes, acc);
@@ -279,9 +278,10 @@ static float chosen_product(const float *x, const int8_t *codes, const uint16_t 
  * int8 weight in the kernels' layout: the int8 lm_head's exact products for its top logits. */
 void sf_int8_chosen(const float *x, const int8_t *codes, const uint16_t *scales, const int64_t *top, float *out,
                     int m, int chosen, int k_all) {
+    weight w = {(const uint8_t *)codes, scales, 8};
 #pragma omp parallel for schedule(static) if (m * chosen >= 64)
     for (int i = 0; i < m * chosen; i++)
-        out[i] = chosen_product(x + (size_t)(i / chosen) * k_all, codes, scales, top[i], k_all);
+        out[i] = chosen_product(x + (size_t)(i / chosen) * k_all, &w, top[i], k_all);
 }
 
 #include "cpu_attention.h"

@@ -174,6 +174,10 @@ class CpuKernels:
         self.tiles = tiles
 
     @property
+    def _tile_rows(self) -> int | None:
+        return TILE_ROWS if self.tiles else None
+
+    @property
     def name(self) -> str:
         return "AMX" if self.tiles else self.build.label
 
@@ -248,12 +252,11 @@ class CpuKernels:
     def bound(self, bits: int, packed: torch.Tensor, scales: torch.Tensor) -> BoundWeight:
         """The product by one packed weight, for a projection to call at every step."""
         columns = packed.shape[1] * (2 if bits == 4 else 1)
-        return BoundWeight(self._int4 if bits == 4 else self._int8, packed, scales, bits, columns,
-                           TILE_ROWS if self.tiles else None)
+        return BoundWeight(self._int4 if bits == 4 else self._int8, packed, scales, bits, columns, self._tile_rows)
 
     def layer_stack(self, layers: list[StackLayer], shape: StackShape) -> LayerStack:
         """A decoder's layers as one call a step, with the bits of their calls one by one."""
-        return LayerStack(self._layers, layers, shape, self.tiles)
+        return LayerStack(self._layers, layers, shape, self._tile_rows)
 
     def attention(self, pool: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
                   blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
@@ -334,7 +337,7 @@ class BoundWeight:
         where it is gated)."""
         out = torch.empty(*rows.shape[:-1], self._outputs // 2 if then is not None and then.gated else self._outputs)
         count = rows.numel() // self._columns
-        tile_rows = count + 1 if self._tile_rows is None else self._tile_rows
+        tile_rows = _tile_path_from(self._tile_rows, count)
         if self._function(rows.data_ptr(), *self._weight, out.data_ptr(), count, self._outputs, self._columns,
                           tile_rows, None if norm is None else norm.data_ptr(), eps, then):
             raise MemoryError("the CPU kernel could not allocate its buffers")
@@ -346,7 +349,8 @@ class LayerStack:
     makes the calls `LlamaModel.layer` makes on the kernels, so the bits are the same; the Python
     between them is what goes."""
 
-    def __init__(self, function: Callable[..., int], layers: list[StackLayer], shape: StackShape, tiles: bool):
+    def __init__(self, function: Callable[..., int], layers: list[StackLayer], shape: StackShape,
+                 tile_rows: int | None):
         self._function = function
         table = (LayerWeights * len(layers))(*(
             LayerWeights(layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed,
@@ -357,16 +361,16 @@ class LayerStack:
         self._template.attention = AttentionCall(heads=shape.heads, kv_heads=shape.kv_heads,
                                                  head_dim=shape.head_dim, window=shape.window)
         self._held = (layers, table)  # the pointers above stay theirs
-        self._tiles = tiles
+        self._tile_rows = tile_rows
 
     def __call__(self, x: torch.Tensor, rotary: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                  blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [B,C,D] fp32 contiguous, `rotary` each row's rotations (complex64 [B,C,1,hd/2],
         contiguous), `pool` the KV pool (`KVPool.kv`); the rest as `CpuKernels.attention` takes
         them. Calls from several threads at once each fill in their own copy of the call."""
-        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] != self._template.hidden:
-            raise ValueError(f"the layer stack takes fp32 rows of {self._template.hidden}, contiguous")
-        if rotary.dtype != torch.complex64 or not rotary.is_contiguous() or rotary.shape[:2] != x.shape[:2]:
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 3 or x.shape[-1] != self._template.hidden:
+            raise ValueError(f"the layer stack takes fp32 rows of {self._template.hidden} [B,C,D], contiguous")
+        if not one_rotation_a_row(rotary, x):
             raise ValueError("the layer stack takes one contiguous complex64 rotation for each row")
         call = StackCall.from_buffer_copy(self._template)
         lanes = call.attention
@@ -375,13 +379,25 @@ class LayerStack:
             slots.data_ptr(), blocks.data_ptr(), starts.data_ptr(), counts.data_ptr())
         lanes.table = blocks.shape[1]
         call.pool, call.pool_layer, call.rotary = pool.data_ptr(), pool.stride(0), rotary.data_ptr()
-        call.tile_rows = TILE_ROWS if self._tiles else x.numel() + 1
+        call.tile_rows = _tile_path_from(self._tile_rows, lanes.batch * lanes.chunk)
         status = self._function(x.data_ptr(), ctypes.byref(call))
         if status == -1:
             raise MemoryError("the CPU kernels could not allocate their buffers")
         if status:
             raise ValueError(f"the CPU attention kernel does not take a head size of {lanes.head_dim}")
         return x
+
+
+def _tile_path_from(tile_rows: int | None, rows: int) -> int:
+    """The rows from which a call of `rows` takes the tile path: more than it has where the
+    process has no tiles (`tile_rows` None)."""
+    return rows + 1 if tile_rows is None else tile_rows
+
+
+def one_rotation_a_row(rotary: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether `rotary` ([..., 1, head_dim / 2] complex) holds its own rotations for each row of
+    `rows` [..., k], as the kernels read them: not broadcast over rows, complex64 and contiguous."""
+    return rotary.dtype == torch.complex64 and rotary.is_contiguous() and rotary.shape[:-2] == rows.shape[:-1]
 
 
 def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tensor:

@@ -363,18 +363,12 @@ def rotated_projection(
     (`rope.rotate_in_place`, [..., 1, head_dim / 2] complex); on the node's kernels, in the same
     call and with the same bits."""
     product = _fusable(projection, x)
-    if product is None or not _one_rotation_a_row(freqs, x):
+    if product is None or not cpu_kernels.one_rotation_a_row(freqs, x):
         y = normed_projection(projection, x, norm, eps)
         rotate_in_place(y[..., :rotated].view(*y.shape[:-1], -1, head_dim), freqs)
         return y
     turn = cpu_kernels.Epilogue(rotary=freqs.data_ptr(), rotated=rotated, head_dim=head_dim)
     return product(x, norm.float().contiguous(), eps, turn)
-
-
-def _one_rotation_a_row(freqs: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether `freqs` holds its own rotations for each row of x, as the kernel reads them: not
-    broadcast over rows, complex64 and contiguous."""
-    return freqs.dtype == torch.complex64 and freqs.is_contiguous() and freqs.shape[:-2] == x.shape[:-1]
 
 
 def gated_projection(

@@ -170,6 +170,8 @@ def test_the_layer_stack_refuses_rows_and_rotations_it_cannot_read(int4_model):
         stack(x.double(), rotary, pool, *lanes)
     with pytest.raises(ValueError, match="fp32 rows"):
         stack(torch.zeros(2, 1, TINY.hidden_size + 32), rotary, pool, *lanes)
+    with pytest.raises(ValueError, match="fp32 rows"):
+        stack(x.view(2, -1), rotary.view(2, 1, -1), pool, *lanes)  # one rotation a row, but no [B,C] of rows
     with pytest.raises(ValueError, match="one contiguous complex64 rotation for each row"):
         stack(x, rotary[:1], pool, *lanes)
 
