@@ -71,18 +71,22 @@ static inline __m512 finish_group(__m512 acc, __m512i d, const uint16_t *scales,
  * codes as they are, int8 codes plus 128 (VPDPBUSD multiplies unsigned by signed bytes). */
 static inline __attribute__((always_inline)) void group_quads(const uint8_t *codes, int bits, __m512i *quads) {
     if (bits == 4) {
+#pragma GCC unroll 4
         for (int o = 0; o < QUADS / 2; o++) {
             __m512i v = _mm512_loadu_si512(codes + o * UNIT);
             quads[2 * o] = _mm512_and_si512(v, _mm512_set1_epi8(15));
             quads[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
         }
     } else {
+#pragma GCC unroll 8
         for (int o = 0; o < QUADS; o++)
             quads[o] = _mm512_xor_si512(_mm512_loadu_si512(codes + o * UNIT), _mm512_set1_epi8((char)0x80));
     }
 }
 
-/* The vector path: 16 outputs (column tile `t`) for `rows` rows from `r0`, written to y. */
+/* The vector path: 16 outputs (column tile `t`) for `rows` rows from `r0`, written to y. Unrolled
+ * into registers, each quad's codes feed every row's sums; one or two rows split each sum over two
+ * chains, whose VPDPBUSD latency would otherwise set the pace (the integer total is the same). */
 static inline __attribute__((always_inline)) void vector_tile(const activations *a, const weight *w, int t, float *y,
                                                               int r0, int rows, int n, int k_all) {
     int groups = k_all / GROUP;
@@ -91,23 +95,30 @@ static inline __attribute__((always_inline)) void vector_tile(const activations 
     for (int r = 0; r < rows; r++)
         acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
-        __m512i quads[QUADS], hs[VECTOR_ROWS], ls[VECTOR_ROWS];
+        __m512i quads[QUADS], hs[VECTOR_ROWS][2], ls[VECTOR_ROWS][2];
         const uint8_t *here = codes + (size_t)g * GROUP * w->bits * 2;
         prefetch_ahead(here, w->bits);
         group_quads(here, w->bits, quads);
+        const int32_t *h[VECTOR_ROWS];
+#pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
-            const int32_t *h = (const int32_t *)(a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP));
-            const int32_t *l = h + QUADS;
-            hs[r] = ls[r] = _mm512_setzero_si512();
-            for (int p = 0; p < QUADS; p++) {
-                hs[r] = _mm512_dpbusd_epi32(hs[r], quads[p], _mm512_set1_epi32(h[p]));
-                ls[r] = _mm512_dpbusd_epi32(ls[r], quads[p], _mm512_set1_epi32(l[p]));
-            }
+            h[r] = (const int32_t *)(a->halves + 2 * ((size_t)(r0 + r) * k_all + g * GROUP));
+            hs[r][0] = hs[r][1] = ls[r][0] = ls[r][1] = _mm512_setzero_si512();
         }
+#pragma GCC unroll 8
+        for (int p = 0; p < QUADS; p++)
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++) {
+                int chain = rows <= 2 ? p % 2 : 0;
+                hs[r][chain] = _mm512_dpbusd_epi32(hs[r][chain], quads[p], _mm512_set1_epi32(h[r][p]));
+                ls[r][chain] = _mm512_dpbusd_epi32(ls[r][chain], quads[p], _mm512_set1_epi32(h[r][QUADS + p]));
+            }
         const uint16_t *scales = group_scales(w, t, groups, g);
+#pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             size_t at = (size_t)(r0 + r) * groups + g;
-            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hs[r], SPLIT_BITS), ls[r]);
+            __m512i high = _mm512_add_epi32(hs[r][0], hs[r][1]), low = _mm512_add_epi32(ls[r][0], ls[r][1]);
+            __m512i d = _mm512_add_epi32(_mm512_slli_epi32(high, SPLIT_BITS), low);
             if (w->bits == 8)  /* the codes were shifted by 128: take 128 * sum(q) back off */
                 d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (int32_t)a->total[at]));
             acc[r] = finish_group(acc[r], d, scales, w->bits, a->step[at], a->total[at]);
