@@ -12,7 +12,8 @@ Rows, prompt 128 tokens, 64 new tokens, greedy:
 - prefill tokens/s (target ≥ 3×): the median over `ROUNDS` rounds, each llama-bench's prefill
   then ours right after it, with the rounds' range of ratios (the machine's pace drifts
   between one tool's run and the other's); on int4 weights also with `--fast-prefill` (a
-  second node; its tokens may depend on batching, docs/engines.md);
+  second node; its tokens may depend on batching, docs/engines.md), where the flag takes (on
+  the node's CPU kernels it has nothing to do, and the row would time the same engine again);
 - memory: our idle RSS beyond a bare `import torch` against llama.cpp's peak RSS in
   llama-bench (target ≤ 1.5×), and, for the 1B-shaped files, against the file's size (target
   ≤ 1.5×: the KV pool in use at idle is none, its pages untouched); the weights' bytes as the
@@ -207,10 +208,14 @@ def node_figures(model: Path, home: Path, peer_prefill: Callable[[], float]) -> 
         node.stop()
 
 
-def fast_prefill(model: Path, home: Path) -> float:
-    """Prefill tokens/s of a node started with `--fast-prefill`."""
+def fast_prefill(model: Path, home: Path) -> float | None:
+    """Prefill tokens/s of a node started with `--fast-prefill`, or None where the flag has
+    nothing to do (the node's CPU kernels run the projections): its serving line says which."""
     node = _node(model, home, ("--fast-prefill",))
     try:
+        line = next(ln for ln in node.lines if SERVING_LINE.search(ln))
+        if "fast prefill" not in SERVING_LINE.search(line).group(3):
+            return None
         rng = random.Random(7)
         with FleetHead.connect(node.addr) as head:
             return PROMPT / min(_timed([head], rng, 1) for _ in range(TRIALS))
@@ -257,8 +262,8 @@ def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, aga
         (f"decode, {LANES} sequences (sum, tok/s)", peer.decode_8, ours.decode_8, ours.decode_8 / peer.decode_8, 1.0),
         (f"prefill, median of {ROUNDS} rounds (tok/s)", theirs_prefill, ours.prefill, statistics.median(ratios), 3.0),
     ]
-    if " int4 " in f" {ours.note} ":
-        fast = fast_prefill(model, home)
+    fast = fast_prefill(model, home) if " int4 " in f" {ours.note} " else None
+    if fast is not None:
         rows.append(("prefill, --fast-prefill (tok/s)", theirs_prefill, fast, fast / theirs_prefill, 3.0))
     print(f"\n== {title}: {model.name} ({model.stat().st_size / 2**20:.0f} MB); ours: {ours.note}")
     print(f"  {'':38} {'llama.cpp':>10} {'this node':>10} {'ratio':>7}  target")
