@@ -176,12 +176,16 @@ def _node(model: Path, home: Path, extra: tuple[str, ...] = ()) -> Noded:
                   "--max-batch", str(LANES), *extra], home)
 
 
+def _serving_weights(node: Noded) -> tuple[str, ...]:
+    """The node's serving line's weights: MB, format and the reason for it."""
+    return next(match for match in map(SERVING_LINE.search, node.lines) if match).groups()
+
+
 def node_figures(model: Path, home: Path, peer_prefill: Callable[[], float]) -> Figures:
     """Our figures, and `ROUNDS` rounds of `peer_prefill` and ours back to back."""
     node = _node(model, home)
     try:
-        line = next(ln for ln in node.lines if SERVING_LINE.search(ln))
-        weights_mb, fmt, why = SERVING_LINE.search(line).groups()
+        weights_mb, fmt, why = _serving_weights(node)
         idle = rss_mb(node.proc.pid)
         rng = random.Random(7)
         with FleetHead.connect(node.addr) as head:
@@ -213,8 +217,7 @@ def fast_prefill(model: Path, home: Path) -> float | None:
     nothing to do (the node's CPU kernels run the projections): its serving line says which."""
     node = _node(model, home, ("--fast-prefill",))
     try:
-        line = next(ln for ln in node.lines if SERVING_LINE.search(ln))
-        if "fast prefill" not in SERVING_LINE.search(line).group(3):
+        if "fast prefill" not in _serving_weights(node)[2]:
             return None
         rng = random.Random(7)
         with FleetHead.connect(node.addr) as head:
