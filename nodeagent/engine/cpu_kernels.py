@@ -484,11 +484,16 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _built(build: Build) -> Path:
-    """The library for these sources and this build's flags, compiled once into the cache."""
+def compile_command(build: Build) -> list[str]:
+    """The compiler and its flags for `build`, short of the output and the source."""
     compiler = _compiler()
     assert compiler is not None
-    command = [compiler, *COMMON_FLAGS, *build.flags]
+    return [compiler, *COMMON_FLAGS, *build.flags]
+
+
+def _built(build: Build) -> Path:
+    """The library for these sources and this build's flags, compiled once into the cache."""
+    command = compile_command(build)
     sources = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
     digest = hashlib.sha256(sources + " ".join(command).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{build.name}-{digest}.so"

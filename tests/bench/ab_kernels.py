@@ -42,12 +42,8 @@ def built_at(rev: str, build: ck.Build, into: Path) -> ck.CpuKernels:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"], check=True,
                               capture_output=True).stdout
         (into / path.name).write_bytes(text)
-    compiler = ck._compiler()
-    if compiler is None:
-        raise SystemExit("no C compiler (cc or gcc) on PATH")
     library = into / "kernels.so"
-    subprocess.run([compiler, *ck.COMMON_FLAGS, *build.flags, "-o", str(library), str(into / ck.SOURCE.name)],
-                   check=True)
+    subprocess.run([*ck.compile_command(build), "-o", str(library), str(into / ck.SOURCE.name)], check=True)
     loaded = ctypes.CDLL(str(library))
     return ck.CpuKernels(loaded, build, tiles=build.tiles and ck._tiles(loaded))
 
