@@ -360,19 +360,30 @@ class LayerStack:
                                    intermediate=shape.intermediate, eps=shape.eps)
         self._template.attention = AttentionCall(heads=shape.heads, kv_heads=shape.kv_heads,
                                                  head_dim=shape.head_dim, window=shape.window)
-        self._held = (layers, table)  # the pointers above stay theirs
+        self._layers, self._table = layers, table  # the pointers above stay theirs
         self._tile_rows = tile_rows
 
     def __call__(self, x: torch.Tensor, rotary: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                 blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [B,C,D] fp32 contiguous, `rotary` each row's rotations (complex64 [B,C,1,hd/2],
-        contiguous), `pool` the KV pool (`KVPool.kv`); the rest as `CpuKernels.attention` takes
-        them. Calls from several threads at once each fill in their own copy of the call."""
+                 blocks: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                 layers: range | None = None) -> torch.Tensor:
+        """x [B,C,D] fp32 contiguous through `layers` (default: all), `rotary` each row's
+        rotations (complex64 [B,C,1,hd/2], contiguous), `pool` those layers' KV blocks one layer
+        after another (`KVPool.kv`, or a stride of 0 for one layer's blocks that each layer
+        overwrites); the rest as `CpuKernels.attention` takes them. Calls from several threads
+        at once each fill in their own copy of the call."""
         if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 3 or x.shape[-1] != self._template.hidden:
             raise ValueError(f"the layer stack takes fp32 rows of {self._template.hidden} [B,C,D], contiguous")
         if not one_rotation_a_row(rotary, x):
             raise ValueError("the layer stack takes one contiguous complex64 rotation for each row")
+        layers = range(self._template.n_layers) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= self._template.n_layers:
+            raise ValueError(f"the layer stack runs a range of its {self._template.n_layers} layers")
+        if pool.shape[0] != len(layers):
+            raise ValueError(f"the pool holds {pool.shape[0]} layers for a run of {len(layers)}")
         call = StackCall.from_buffer_copy(self._template)
+        first = ctypes.addressof(self._table) + layers.start * ctypes.sizeof(LayerWeights)
+        call.layers = ctypes.cast(first, ctypes.POINTER(LayerWeights))
+        call.n_layers = len(layers)
         lanes = call.attention
         lanes.batch, lanes.chunk = x.shape[:2]
         lanes.slots, lanes.blocks, lanes.starts, lanes.counts = (
@@ -405,6 +416,14 @@ def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tenso
     if outputs is None:
         return blocked.permute(0, 2, 1, 3).reshape(-1, *blocked.shape[1:2], 4)
     return blocked[outputs // 16, :, outputs % 16, :]
+
+
+def attending_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels | None:
+    """The kernels where they attend over KV blocks of `dtype` on `device` with heads of
+    `head_dim`: fp32 on the CPU, a head size they take; else None."""
+    if device.type != "cpu" or dtype != torch.float32 or head_dim not in ATTENTION_HEAD_DIMS:
+        return None
+    return cpu_kernels()
 
 
 @functools.cache

@@ -25,6 +25,7 @@ import collections
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +48,32 @@ def chain_key(previous: bytes, tokens: Sequence[int]) -> bytes:
     digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
+
+
+@dataclass(frozen=True)
+class CausalLane:
+    """One lane at positions 0..n-1 in blocks of its own, for a pass without a KV cache
+    (`LlamaModel.run_causal`): `layer` holds one layer's blocks, zeroed, and every layer in turn
+    stores its K and V there over the previous layer's before attending to them. The other
+    fields are the lane as `CpuKernels.attention` takes it."""
+
+    layer: torch.Tensor
+    slots: torch.Tensor
+    blocks: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def of(cls, n_tokens: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> CausalLane:
+        n_blocks = blocks_for(n_tokens)
+        layer = torch.zeros(n_blocks, 2, n_kv_heads, BLOCK_TOKENS, head_dim, dtype=dtype, device=device)
+        return cls(
+            layer,
+            slots=torch.arange(n_tokens, device=device),
+            blocks=torch.arange(n_blocks, device=device).unsqueeze(0),
+            starts=torch.zeros(1, dtype=torch.long, device=device),
+            counts=torch.tensor([n_tokens], device=device),
+        )
 
 
 class KVPool:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from nodeagent.engine.choices import WeightFormat
-from nodeagent.engine.cpu_kernels import LayerStack, StackLayer, StackShape, cpu_kernels
+from nodeagent.engine.cpu_kernels import LayerStack, StackLayer, StackShape, attending_kernels, cpu_kernels
+from nodeagent.engine.kvpool import CausalLane
 from nodeagent.engine.linear import Linear, tied_layout
 from nodeagent.engine.quant import (
     Int4Linear,
@@ -237,19 +238,41 @@ class LlamaModel:
         return self.lm_head(h).float()
 
     def run_causal(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Layers [start, end) over x [1,N,D] at positions 0..N-1, with no KV cache."""
-        n = x.shape[1]
+        """Layers [start, end) over x [1,N,D] at positions 0..N-1, with no KV cache. Where the
+        CPU kernels attend, the positions sit in scratch blocks of their own and the layers run
+        as a step of the scheduler runs them (one call where there is a layer stack), so each
+        position gets the bits the node's own prefill gives it; elsewhere SDPA under a mask."""
+        n, c = x.shape[1], self.config
         positions = torch.arange(n, device=self.device).unsqueeze(0)
         freqs = self.rope(positions)
-        mask = self.attention_mask(positions, n)
+        kernels = attending_kernels(self.device, self.dtype, c.head_dim)
+        if kernels is None or start == end:
+            attend = self._masked_attend(positions)
+        else:
+            lane = CausalLane.of(n, c.n_kv_heads, c.head_dim, self.dtype, self.device)
+            stack = self.layer_stack()
+            if stack is not None:
+                rows = x.clone(memory_format=torch.contiguous_format)
+                pool = lane.layer.expand(end - start, *lane.layer.shape)
+                return stack(rows, freqs, pool, lane.slots, lane.blocks, lane.starts, lane.counts, range(start, end))
+            step = kernels.attention_step(lane.slots, lane.blocks, lane.starts, lane.counts, c.sliding_window or 0)
+
+            def attend(_: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                return step(lane.layer, q, kv)
+
+        for index in range(start, end):
+            x = self.layer(index, x, freqs, attend)
+        return x
+
+    def _masked_attend(self, positions: torch.Tensor) -> Attend:
+        """Attention of the rows at `positions` [1,N] to their own keys, by SDPA under a mask."""
+        mask = self.attention_mask(positions, positions.shape[1])
 
         def attend(_: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             keys, values = kv.permute(2, 0, 3, 1, 4)
             return grouped_attention(q, keys, values, mask)
 
-        for index in range(start, end):
-            x = self.layer(index, x, freqs, attend)
-        return x
+        return attend
 
 
 def _layer_stack(c: ModelConfig, layers: list[LayerWeights]) -> LayerStack | None:

@@ -40,7 +40,7 @@ import torch
 from nodeagent import failpoints
 from nodeagent.daemon import QOS_CLASSES, Consumer, EngineFault, EngineHealth, SchedStats
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS
-from nodeagent.engine.cpu_kernels import ATTENTION_HEAD_DIMS, CpuKernels, cpu_kernels
+from nodeagent.engine.cpu_kernels import CpuKernels, attending_kernels
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
 from nodeagent.engine.model import Attend, LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
@@ -166,10 +166,7 @@ def paged_attend(
 def attention_kernels(pool: KVPool) -> CpuKernels | None:
     """The CPU kernels where they attend over `pool`: an fp32 pool on the CPU, a head size they
     take."""
-    kv = pool.kv
-    if kv.device.type != "cpu" or kv.dtype != torch.float32 or kv.shape[-1] not in ATTENTION_HEAD_DIMS:
-        return None
-    return cpu_kernels()
+    return attending_kernels(pool.kv.device, pool.kv.dtype, pool.kv.shape[-1])
 
 
 def is_out_of_memory(e: BaseException) -> bool:

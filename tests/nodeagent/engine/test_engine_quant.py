@@ -18,6 +18,7 @@ from tinymodel import TINY
 
 from nodeagent.daemon import ModelLoadError
 from nodeagent.engine import cpu_kernels, quant
+from nodeagent.engine import model as model_module
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.choices import WeightFormat
@@ -135,12 +136,47 @@ def test_the_layers_in_one_kernel_call_give_the_bits_of_their_calls_one_by_one(w
 
 def _prefilled(model: LlamaModel, seed: int) -> torch.Tensor:
     """A 40-token prompt prefilled on its own pool: the hidden state at its last token."""
+    return _prefill_of(model, torch.randint(0, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(seed)))
+
+
+def _prefill_of(model: LlamaModel, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [1,N] (N <= 48) prefilled as the scheduler runs a step: the hidden state at the last."""
+    n = tokens.shape[1]
     pool = KVPool(TINY.n_layers, TINY.n_kv_heads, TINY.head_dim, 4, torch.float32, CPU)
     pool.zero(list(range(5)))  # as the scheduler hands blocks out: a key past a row's own is 0, not garbage
-    tokens = torch.randint(0, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(seed))
-    batch = Batch(tokens, torch.tensor([40]), torch.tensor([0]), torch.tensor([[0, 1, 2]]), torch.tensor([]))
+    batch = Batch(tokens, torch.tensor([n]), torch.tensor([0]), torch.tensor([[0, 1, 2]]), torch.tensor([]))
     with torch.inference_mode():
         return forward_batch(model, pool, torch.arange(64), batch, attention_kernels(pool))
+
+
+@pytest.mark.parametrize("weights", [WeightFormat.INT4, WeightFormat.INT8])
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_cache_free_pass_gives_every_split_the_bits_of_the_nodes_own_prefill(weights, window, monkeypatch):
+    """`run_causal`, which stage forwards run, attends on scratch blocks of its own: through the
+    stack or layer by layer, whole or split at any layer, it gives the last position the bits a
+    prefill gives it, and stays near SDPA's."""
+    config = dataclasses.replace(TINY, sliding_window=window)
+    model = LlamaModel.from_source(config, DictSource(random_tensors(config, seed=5, std=0.1)), torch.float32, CPU,
+                                   weights)
+    if model.layer_stack() is None:
+        pytest.skip("the node's CPU kernels do not run here")
+    tokens = torch.tensor([[(11 * i + 5) % TINY.vocab_size for i in range(37)]])
+    with torch.inference_mode():
+        x = model.embed(tokens)
+        given = x.clone()
+        whole = model.run_causal(x, 0, TINY.n_layers)
+        splits = [model.run_causal(model.run_causal(x, 0, k), k, TINY.n_layers) for k in range(TINY.n_layers + 1)]
+        monkeypatch.setattr(model, "layer_stack", lambda: None)
+        apart = model.run_causal(x, 0, TINY.n_layers)
+        monkeypatch.setattr(model_module, "attending_kernels", lambda *_: None)
+        masked = model.run_causal(x, 0, TINY.n_layers)
+    monkeypatch.undo()
+    assert torch.equal(x, given)
+    assert torch.equal(whole[0, -1], _prefill_of(model, tokens)[0])
+    assert all(torch.equal(split, whole) for split in splits)
+    assert torch.equal(apart, whole)
+    assert not torch.equal(masked, whole)  # SDPA sums in another order
+    assert float((masked - whole).abs().max()) < 1e-3 * float(whole.abs().max())  # the activations' rounding
 
 
 def test_steps_through_the_layer_stack_from_many_threads_at_once_each_get_their_own(int4_model):
