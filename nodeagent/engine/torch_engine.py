@@ -53,7 +53,7 @@ from nodeagent.engine.scheduler import ERROR, PREFILL_CHUNK, TOKEN, Generation, 
 from nodeagent.engine.shard import Shard, shard_config
 from nodeagent.engine.tensor_parallel import ShardSpec, TensorParallel, free_port
 from nodeagent.failpoints import Failpoints
-from nodeagent.heap import return_free_memory
+from nodeagent.heap import bound_arenas, return_free_memory
 from proto import finish
 from proto.models import AliasUnavailable, is_gguf, resolve
 from proto.params import GenParams
@@ -147,6 +147,7 @@ class TorchDaemon(Daemon):
         """Open `model` ("builtin" or a checkpoint directory), split over `tensor_parallel`
         processes when more than 1; raises ModelLoadError."""
         bound_kernel_caches()
+        bound_arenas()
         dev = _resolve_device(device)
         floats = _resolve_dtype(dtype, dev)
         group: TensorParallel | None = None

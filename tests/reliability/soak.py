@@ -1,7 +1,9 @@
 """The soak rows of `make reliability`: days of a fleet's use compressed into minutes. Eight
 heads run generations back to back on one node: a quarter cancelled after their first tokens,
 every 20th one's link dropped without a word and reconciled over a new one, each session
-revoked when its generation ends. Every token is checked against a reference; the node's
+revoked when its generation ends. Between them, a share of the heads' turns are stage forwards
+of a prompt, whole or split at a random layer, and one in ten of those is abandoned: its link
+is dropped before the answer. Every token is checked against a reference; the node's
 resident memory is sampled throughout, and over the second half of the run it must grow by
 less than `GROWTH_BOUND` (docs/hardening.md).
 
@@ -26,13 +28,16 @@ if __name__ == "__main__":
 from harness import SETTLE_S, Row, WatchedNode, settle, table
 
 from conformance.head import FleetHead, Generation
-from conformance.reference import mock_tokens
+from conformance.reference import MOCK_LAYERS, mock_stage, mock_tokens
 from proto import finish
 
 HEADS = 8
 #: Every this many generations a head drops its link mid-generation and reconciles.
 DROP_EVERY = 20
 CANCEL_SHARE = 0.25
+#: The share of turns that are stage forwards rather than generations, and the share of those
+#: whose link drops before the answer.
+STAGE_SHARE, ABANDON_SHARE = 0.15, 0.1
 #: How far the node's RSS may grow over the second half of a soak.
 GROWTH_BOUND = 4 * 2**20
 #: At most this long between two samples of the node's RSS and threads.
@@ -72,6 +77,8 @@ class Tally:
     tokens: int = 0
     cancelled: int = 0
     dropped: int = 0
+    stages: int = 0
+    abandoned: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, tokens: int, cancelled: bool = False, dropped: bool = False) -> None:
@@ -81,6 +88,11 @@ class Tally:
             self.cancelled += cancelled
             self.dropped += dropped
 
+    def add_stage(self, abandoned: bool) -> None:
+        with self.lock:
+            self.stages += 1
+            self.abandoned += abandoned
+
 
 # ---- references -------------------------------------------------------------------------------
 
@@ -89,34 +101,45 @@ def mock_expect(prompt: list[int], max_new: int) -> tuple[list[int], int]:
     return mock_tokens(prompt, max_new), finish.LENGTH
 
 
+def mock_stage_token(prompt: list[int]) -> int:
+    token = mock_stage(prompt, 0, MOCK_LAYERS)
+    assert isinstance(token, int)
+    return token
+
+
 def random_prompts(rng: random.Random) -> list[int]:
     return [rng.randrange(32000) for _ in range(rng.randint(1, 40))]
 
 
 class TorchReference:
-    """The builtin model's greedy tokens for each soak prompt, computed once, one lane at a time,
-    by a `TorchDaemon` of this process: independent of the node's batching, preemption and
-    prefix cache."""
+    """The builtin model's greedy tokens for each soak prompt, and the token its stage forward
+    over every layer answers, computed once, one lane at a time, by a `TorchDaemon` of this
+    process: independent of the node's batching, preemption and prefix cache. A stage token is
+    the generation's first token (docs/engines.md): computing the references checks that."""
 
     def __init__(self, rng: random.Random, weights: str = "auto") -> None:
         prefixes = [[rng.randrange(3, 32000) for _ in range(16 * n)] for n in PREFIX_BLOCKS]
         suffixes = [[rng.randrange(3, 32000) for _ in range(rng.randint(1, 24))] for _ in range(SUFFIXES)]
         self.prompts = [p + s for p in prefixes for s in suffixes]
-        self._answers = self._compute(self.prompts, weights)
+        self._answers: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self._stage_tokens: dict[tuple[int, ...], int] = {}
+        self.n_layers = self._compute(weights)
 
-    @staticmethod
-    def _compute(prompts: list[list[int]], weights: str) -> dict[tuple[int, ...], tuple[list[int], int]]:
-        from nodeagent.daemon import GenExtras
+    def _compute(self, weights: str) -> int:
+        from nodeagent.daemon import GenExtras, StageToken
         from nodeagent.engine.torch_engine import TorchDaemon
         from proto.params import GenParams
 
         daemon = TorchDaemon.load("builtin", device="cpu", max_batch=1, threads=1, weights=weights)
         try:
-            answers = {}
-            for prompt in prompts:
+            n_layers = daemon.model.config.n_layers
+            for prompt in self.prompts:
                 got = daemon.generate_tokens_streaming(prompt, GenParams(), MAX_NEW[1], 0, GenExtras(), lambda _: True)
-                answers[tuple(prompt)] = (list(got.tokens), got.finish)
-            return answers
+                stage = daemon.forward_stage(prompt, 0, n_layers, None)
+                assert isinstance(stage, StageToken) and got.tokens[:1] in ([], [stage.token]), (got.tokens, stage)
+                self._answers[tuple(prompt)] = (list(got.tokens), got.finish)
+                self._stage_tokens[tuple(prompt)] = stage.token
+            return n_layers
         finally:
             daemon.close()
 
@@ -129,6 +152,9 @@ class TorchReference:
             return tokens[:max_new], finish.LENGTH
         return tokens, reason
 
+    def stage_token(self, prompt: list[int]) -> int:
+        return self._stage_tokens[tuple(prompt)]
+
 
 # ---- the heads --------------------------------------------------------------------------------
 
@@ -139,6 +165,9 @@ class Load:
 
     prompt: Callable[[random.Random], list[int]]
     expect: Expect
+    #: The token a stage forward of a prompt over all `n_layers` answers.
+    stage_token: Callable[[list[int]], int]
+    n_layers: int
     stop: threading.Event = field(default_factory=threading.Event)
 
 
@@ -157,7 +186,10 @@ class SoakHead:
                 if self.load.stop.is_set():
                     return
                 try:
-                    self._one(head, (self.index << 40) | n, n)
+                    if self.rng.random() < STAGE_SHARE:
+                        self._stage(head)
+                    else:
+                        self._one(head, (self.index << 40) | n, n)
                 except Exception as e:  # noqa: BLE001 - a generation the head could not finish
                     self.row.lost += 1
                     self.row.note(f"head {self.index}: {type(e).__name__}: {e}")
@@ -197,6 +229,26 @@ class SoakHead:
             self.tally.add(len(g.tokens))
         head.revoke(sid)
 
+    def _stage(self, head: FleetHead) -> None:
+        """A stage forward of a prompt over every layer, split at a random layer into two
+        requests or not; or one abandoned: its link dropped before the answer."""
+        prompt, layers = self.load.prompt(self.rng), self.load.n_layers
+        if self.rng.random() < ABANDON_SHARE:
+            head.send_stage(prompt, 0, layers)
+            head.reconnect()
+            self.tally.add_stage(abandoned=True)
+            return
+        split = self.rng.randint(0, layers)
+        if split in (0, layers):
+            answer = head.stage(prompt, 0, layers, timeout=GENERATION_TIMEOUT)
+        else:
+            hidden = head.stage(prompt, 0, split, timeout=GENERATION_TIMEOUT).hidden
+            answer = head.stage([], split, layers, hidden, timeout=GENERATION_TIMEOUT)
+        if answer.token != self.load.stage_token(prompt):
+            self.row.wrong += 1
+            self.row.note(f"a stage forward split at layer {split} answered {answer.token}")
+        self.tally.add_stage(abandoned=False)
+
     @staticmethod
     def _first_tokens(head: FleetHead, key: tuple[int, int]) -> None:
         head.until(lambda: head.generations.get(key), GENERATION_TIMEOUT, "the first tokens")
@@ -212,7 +264,7 @@ class SoakHead:
 
 def soak_mock(seconds: float) -> Row:
     """The soak against the mock engine (random prompts, the conformance kit's mock tokens)."""
-    return soak("soak, mock", MOCK_ARGS, Load(random_prompts, mock_expect), seconds)[0]
+    return soak("soak, mock", MOCK_ARGS, mock_load(), seconds)[0]
 
 
 def soak_torch(seconds: float) -> Row:
@@ -226,9 +278,13 @@ def soak_torch_int4(seconds: float) -> Row:
     return soak("soak, torch builtin int4", TORCH_INT4_ARGS, torch_load("int4"), seconds)[0]
 
 
+def mock_load() -> Load:
+    return Load(random_prompts, mock_expect, mock_stage_token, MOCK_LAYERS)
+
+
 def torch_load(weights: str = "auto") -> Load:
     reference = TorchReference(random.Random(34), weights)
-    return Load(reference.pick, reference.expect)
+    return Load(reference.pick, reference.expect, reference.stage_token, reference.n_layers)
 
 
 def soak(name: str, args: tuple[str, ...], load: Load, seconds: float) -> tuple[Row, list[Sample]]:
@@ -259,13 +315,15 @@ def soak(name: str, args: tuple[str, ...], load: Load, seconds: float) -> tuple[
 
 
 def warm_up_node(node: WatchedNode, load: Load) -> None:
-    """One generation of the soak's kind, so first-use allocations come before the start."""
+    """One generation and one stage forward of the soak's kind, so first-use allocations (and
+    the stage thread's OpenMP team) come before the start."""
     with FleetHead.connect(node.addr) as head:
         prompt = load.prompt(random.Random(0))
         head.assign(1)
         head.append(1, prompt)
         assert head.generate(1, 8, timeout=GENERATION_TIMEOUT).tokens == load.expect(prompt, 8)[0]
         head.revoke(1)
+        assert head.stage(prompt, 0, load.n_layers, timeout=GENERATION_TIMEOUT).token == load.stage_token(prompt)
 
 
 def _sampled(node: WatchedNode, tally: Tally, start: float, seconds: float) -> list[Sample]:
@@ -284,11 +342,12 @@ def _fill(row: Row, node: WatchedNode, tally: Tally, samples: list[Sample], thre
     row.after_rss = samples[-1].rss
     row.slack = GROWTH_BOUND
     row.peak_rss = node.status("VmHWM")
-    row.faults = tally.cancelled + tally.dropped
+    row.faults = tally.cancelled + tally.dropped + tally.abandoned
     after = node.threads()
     row.load = (
         f"{HEADS} heads, {tally.generations} gens, {tally.tokens} tokens, "
-        f"{tally.cancelled} cancelled, {tally.dropped} dropped; threads {threads}→{after}"
+        f"{tally.cancelled} cancelled, {tally.dropped} dropped, {tally.stages} stages "
+        f"({tally.abandoned} abandoned); threads {threads}→{after}"
     )
     if after > threads:
         row.wrong += 1
@@ -298,10 +357,11 @@ def _fill(row: Row, node: WatchedNode, tally: Tally, samples: list[Sample], thre
 
 def main(argv: list[str]) -> int:
     kind, seconds = argv[0], float(argv[1])
-    args, load = {
-        "torch": (TORCH_ARGS, torch_load()),
-        "torch-int4": (TORCH_INT4_ARGS, torch_load("int4")),
-    }.get(kind, (MOCK_ARGS, Load(random_prompts, mock_expect)))
+    args, make_load = {
+        "torch": (TORCH_ARGS, torch_load),
+        "torch-int4": (TORCH_INT4_ARGS, lambda: torch_load("int4")),
+    }.get(kind, (MOCK_ARGS, mock_load))
+    load = make_load()
     row, samples = soak(f"soak, {kind}", args, load, seconds)
     for s in samples:
         print(f"{s.at:7.1f} s  {s.rss / 2**20:7.1f} MB  {s.threads:3d} threads  {s.generations:8d} gens")
