@@ -43,8 +43,9 @@ class Row:
     peak_rss: int = 0
     baseline_rss: int = 0
     after_rss: int = 0
-    #: A soak's RSS halfway through its load: from there to its end (`after_rss`) it must grow
-    #: by `slack` at most, its first half being allowed the growth of a node warming up.
+    #: A soak's RSS in the middle of its load (its floor over the second quarter): from there to
+    #: its end (`after_rss`, the last quarter's floor) it may grow by `slack` at most, its start
+    #: being allowed the growth of a node warming up.
     middle_rss: int = 0
     #: How far above its baseline (a soak: its middle) the node may settle after this row.
     slack: int = RSS_SLACK

@@ -4,8 +4,8 @@ every 20th one's link dropped without a word and reconciled over a new one, each
 revoked when its generation ends. Between them, a share of the heads' turns are stage forwards
 of a prompt, whole or split at a random layer, and one in ten of those is abandoned: its link
 is dropped before the answer. Every token is checked against a reference; the node's
-resident memory is sampled throughout, and over the second half of the run it must grow by
-less than `GROWTH_BOUND` (docs/hardening.md).
+resident memory is sampled throughout, and its floor over the last quarter of the run must be
+within `GROWTH_BOUND` of its floor over the second quarter (docs/hardening.md).
 
 `python tests/reliability/soak.py {mock|torch|torch-int4} SECONDS` runs one soak and prints its
 curve.
@@ -38,7 +38,7 @@ CANCEL_SHARE = 0.25
 #: The share of turns that are stage forwards rather than generations, and the share of those
 #: whose link drops before the answer.
 STAGE_SHARE, ABANDON_SHARE = 0.15, 0.1
-#: How far the node's RSS may grow over the second half of a soak.
+#: How far the node's RSS floor may grow from the second quarter of a soak to the last.
 GROWTH_BOUND = 4 * 2**20
 #: At most this long between two samples of the node's RSS and threads.
 SAMPLE_S = 15.0
@@ -326,6 +326,14 @@ def warm_up_node(node: WatchedNode, load: Load) -> None:
         assert head.stage(prompt, 0, load.n_layers, timeout=GENERATION_TIMEOUT).token == load.stage_token(prompt)
 
 
+def floor_rss(samples: list[Sample], quarter: int) -> int:
+    """The lowest RSS sampled in the run's second (`quarter` 1) or last (3) quarter, first
+    sample excluded. Work in flight when a sample is taken (a stage forward's rows, a prefill's)
+    only adds to it, so a floor moves with what the node keeps, not with what it was doing."""
+    n = len(samples) - 1
+    return min(s.rss for s in samples[1 + quarter * n // 4 : 1 + (quarter + 1) * n // 4] or samples[-1:])
+
+
 def _sampled(node: WatchedNode, tally: Tally, start: float, seconds: float) -> list[Sample]:
     """RSS and threads every `SAMPLE_S` (or a tenth of the run, when shorter) until `seconds`."""
     every = min(SAMPLE_S, seconds / 10)
@@ -338,8 +346,7 @@ def _sampled(node: WatchedNode, tally: Tally, start: float, seconds: float) -> l
 
 def _fill(row: Row, node: WatchedNode, tally: Tally, samples: list[Sample], threads: int) -> None:
     row.baseline_rss = samples[0].rss
-    row.middle_rss = samples[len(samples) // 2].rss
-    row.after_rss = samples[-1].rss
+    row.middle_rss, row.after_rss = floor_rss(samples, 1), floor_rss(samples, 3)
     row.slack = GROWTH_BOUND
     row.peak_rss = node.status("VmHWM")
     row.faults = tally.cancelled + tally.dropped + tally.abandoned
