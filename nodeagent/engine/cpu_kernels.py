@@ -356,7 +356,7 @@ class LayerStack:
             LayerWeights(layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed,
                          layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
             for layer in layers))
-        self._template = StackCall(layers=table, n_layers=len(layers), hidden=shape.hidden,
+        self._template = StackCall(n_layers=len(layers), hidden=shape.hidden,
                                    intermediate=shape.intermediate, eps=shape.eps)
         self._template.attention = AttentionCall(heads=shape.heads, kv_heads=shape.kv_heads,
                                                  head_dim=shape.head_dim, window=shape.window)

@@ -242,11 +242,13 @@ class LlamaModel:
         CPU kernels attend, the positions sit in scratch blocks of their own and the layers run
         as a step of the scheduler runs them (one call where there is a layer stack), so each
         position gets the bits the node's own prefill gives it; elsewhere SDPA under a mask."""
+        if start == end:
+            return x
         n, c = x.shape[1], self.config
         positions = torch.arange(n, device=self.device).unsqueeze(0)
         freqs = self.rope(positions)
         kernels = attending_kernels(self.device, self.dtype, c.head_dim)
-        if kernels is None or start == end:
+        if kernels is None:
             attend = self._masked_attend(positions)
         else:
             lane = CausalLane.of(n, c.n_kv_heads, c.head_dim, self.dtype, self.device)

@@ -73,8 +73,9 @@ def timed_round(a: FleetHead, b: FleetHead, session_id: int, prompt: list[int]) 
 def row(length: int, a: FleetHead, b: FleetHead, rng: random.Random) -> list[str]:
     rounds = [timed_round(a, b, 1000 * length + i, [rng.choice(VOCAB) for _ in range(length)])
               for i in range(ROUNDS)]
-    prefill, one, two = (statistics.median(getattr(r, f) for r in rounds) for f in ("prefill", "one_stage",
-                                                                                    "two_stages"))
+    prefill = statistics.median(r.prefill for r in rounds)
+    one = statistics.median(r.one_stage for r in rounds)
+    two = statistics.median(r.two_stages for r in rounds)
     print(f"| {length} | {prefill * 1e3:.1f} ms ({length / prefill:.0f} tok/s) | {one * 1e3:.1f} ms, "
           f"{one / prefill:.2f}x | {two * 1e3:.1f} ms, {two / prefill:.2f}x |")
     missed = [f"{length} tokens: a round's tokens (generation, one stage, two stages) {r.tokens} differ"

@@ -190,7 +190,7 @@ class SoakHead:
                         self._stage(head)
                     else:
                         self._one(head, (self.index << 40) | n, n)
-                except Exception as e:  # noqa: BLE001 - a generation the head could not finish
+                except Exception as e:  # noqa: BLE001 - a generation or stage forward the head could not finish
                     self.row.lost += 1
                     self.row.note(f"head {self.index}: {type(e).__name__}: {e}")
                     head.close()
