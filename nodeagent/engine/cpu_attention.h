@@ -2,14 +2,19 @@
  * build's v16 primitives. One call per layer and step: the step's new K and V are stored into
  * their slots, then every real query row attends to its lane's blocks in place, nothing copied.
  *
- * A block holds, per KV head, K transposed ([head_dim][16], a key per lane) then V as it comes
- * ([16][head_dim]). A tile of query rows, the G heads of one KV head at consecutive positions,
- * walks its lane's blocks once: scores for 16 keys are one vector per row, a fused multiply-add
- * per dimension, and the online softmax (a running maximum, rescaled sums) takes each block in
- * turn. Every row's operations, in order, depend only on its own position and keys: a block it
- * does not see leaves its state as it was (its weights are exactly 0, the rescale exactly 1), so
- * a row gives the same bits whichever tile, chunk or build computes it, and a prompt prefilled at
- * once decodes on exactly as if it had been decoded token by token. */
+ * A layer's pool is K then V, each a plane per KV head holding every block in turn: a block holds
+ * a head's K transposed ([head_dim][16], a key per lane) and its V as it comes ([16][head_dim]).
+ * A lane whose blocks run in order is then two streams a head, which the processor's prefetchers
+ * follow; blocks holding every head side by side cut them into a page at a time.
+ *
+ * A tile of query rows, the G heads of one KV head at consecutive positions, walks its lane's
+ * blocks once: scores for 16 keys are one vector per row, a fused multiply-add per dimension, and
+ * the online softmax (a running maximum, rescaled sums) takes each block in turn. Every row's
+ * operations, in order, depend only on its own position and keys: a block it does not see leaves
+ * its state as it was (its weights are exactly 0, the rescale exactly 1), so a row gives the same
+ * bits whichever tile, chunk or build computes it, and a prompt prefilled at once decodes on
+ * exactly as if it had been decoded token by token. A tile of a few rows (a decode step's G heads)
+ * takes a narrower loop, which skips the unused rows' arithmetic. */
 
 #define KV_BLOCK 16          /* tokens per block: one v16 of scores */
 #define MAX_HEAD_DIM 256     /* a tile's rows stay on the stack */
@@ -18,8 +23,9 @@ typedef struct {
     const float *q;           /* [B][C] rows of `q_stride` floats, head h's query at h * head_dim */
     const float *new_kv;      /* [B][C] rows of `kv_stride` floats: K then V, [2][kv_heads][head_dim] */
     long q_stride, kv_stride;
+    long plane;               /* floats from one KV head's plane of the pool to the next */
     const int64_t *slots;     /* [B * C] where each row's K and V go */
-    float *pool;              /* this layer's blocks, [blocks][2][kv_heads][16 * head_dim] */
+    float *pool;              /* this layer's blocks, [2][kv_heads][plane]: a plane holds 16 * head_dim a block */
     const int64_t *blocks;    /* [B][table] each lane's block table */
     const int64_t *starts;    /* [B] the position of each lane's first row */
     const int64_t *counts;    /* [B] each lane's real rows; the rest are padding */
@@ -28,7 +34,7 @@ typedef struct {
 } attention_call;
 
 static float *block_part(const attention_call *a, int64_t block, int part, int kv_head) {
-    return a->pool + ((size_t)(block * 2 + part) * a->kv_heads + kv_head) * KV_BLOCK * a->head_dim;
+    return a->pool + (size_t)(part * a->kv_heads + kv_head) * a->plane + (size_t)block * KV_BLOCK * a->head_dim;
 }
 
 static void store_kv(const attention_call *a) {
@@ -56,14 +62,15 @@ typedef struct {
     int from[ATTENTION_ROWS], to[ATTENTION_ROWS], row_of[ATTENTION_ROWS];
 } tile_state;
 
+/* The loops below take the tile's width, `width` rows, as a constant from their one caller. */
 static inline __attribute__((always_inline)) void tile_scores(const tile_state *s, const float *keys, int hd,
-                                                              v16 *scores) {
-    for (int r = 0; r < ATTENTION_ROWS; r++)
+                                                              v16 *scores, int width) {
+    for (int r = 0; r < width; r++)
         scores[r] = v16_set1(0);
     for (int d = 0; d < hd; d++) {
         v16 k = v16_load(keys + d * KV_BLOCK);
 #pragma GCC unroll 16
-        for (int r = 0; r < ATTENTION_ROWS; r++)
+        for (int r = 0; r < width; r++)
             scores[r] = v16_fma(v16_set1(s->q[r][d]), k, scores[r]);
     }
 }
@@ -92,19 +99,32 @@ static void tile_softmax(tile_state *s, const v16 *scores, int rows, int first_k
 }
 
 static inline __attribute__((always_inline)) void tile_values(tile_state *s, const float *values, int hd,
-                                                              const float *scale) {
+                                                              const float *scale, int width) {
     for (int d0 = 0; d0 < hd; d0 += KV_BLOCK) {
         v16 o[ATTENTION_ROWS];
-        for (int r = 0; r < ATTENTION_ROWS; r++)
+        for (int r = 0; r < width; r++)
             o[r] = v16_mul(v16_load(s->acc[r] + d0), v16_set1(scale[r]));
         for (int t = 0; t < KV_BLOCK; t++) {
             v16 v = v16_load(values + t * hd + d0);
 #pragma GCC unroll 16
-            for (int r = 0; r < ATTENTION_ROWS; r++)
+            for (int r = 0; r < width; r++)
                 o[r] = v16_fma(v16_set1(s->p[r][t]), v, o[r]);
         }
-        for (int r = 0; r < ATTENTION_ROWS; r++)
+        for (int r = 0; r < width; r++)
             v16_store(s->acc[r] + d0, o[r]);
+    }
+}
+
+/* The tile's rows through blocks first..last of lane b's table, for KV head `kv_head`. */
+static inline __attribute__((always_inline)) void walk_blocks(tile_state *s, const attention_call *a,
+                                                              const int64_t *table, int kv_head, int rows,
+                                                              int first, int last, int width) {
+    for (int n = first; n <= last; n++) {
+        v16 scores[ATTENTION_ROWS];
+        float scale[KV_BLOCK];
+        tile_scores(s, block_part(a, table[n], 0, kv_head), a->head_dim, scores, width);
+        tile_softmax(s, scores, rows, n * KV_BLOCK, scale);
+        tile_values(s, block_part(a, table[n], 1, kv_head), a->head_dim, scale, width);
     }
 }
 
@@ -133,13 +153,11 @@ static void attend_tile(const attention_call *a, int b, int kv_head, int first_r
         s.row_of[r] = (b * a->chunk + c) * a->heads + head;
     }
     const int64_t *table = a->blocks + (size_t)b * a->table;
-    for (int n = s.from[0] / KV_BLOCK; n <= s.to[rows - 1] / KV_BLOCK; n++) {
-        v16 scores[ATTENTION_ROWS];
-        float scale[KV_BLOCK];
-        tile_scores(&s, block_part(a, table[n], 0, kv_head), hd, scores);
-        tile_softmax(&s, scores, rows, n * KV_BLOCK, scale);
-        tile_values(&s, block_part(a, table[n], 1, kv_head), hd, scale);
-    }
+    int first = s.from[0] / KV_BLOCK, last = s.to[rows - 1] / KV_BLOCK;
+    if (rows <= ATTENTION_ROWS / 2)
+        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS / 2);
+    else
+        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS);
     for (int r = 0; r < rows; r++) {
         float total = 0;
         for (int t = 0; t < KV_BLOCK; t++)

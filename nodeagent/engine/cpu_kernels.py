@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from nodeagent.engine.kvpool import BLOCK_TOKENS
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -86,6 +88,7 @@ class AttentionCall(ctypes.Structure):
         ("new_kv", ctypes.c_void_p),
         ("q_stride", ctypes.c_long),
         ("kv_stride", ctypes.c_long),
+        ("plane", ctypes.c_long),
         *((name, ctypes.c_void_p) for name in ("slots", "pool", "blocks", "starts", "counts", "out")),
         *((name, ctypes.c_int) for name in ("batch", "chunk", "heads", "kv_heads", "head_dim", "table", "window")),
     ]
@@ -289,10 +292,19 @@ class AttentionStep:
         (q, call.q_stride), (kv, call.kv_stride) = _token_rows(q), _token_rows(kv)
         out = torch.empty(batch, chunk, heads * head_dim)
         call.q, call.new_kv = q.data_ptr(), kv.data_ptr()
-        call.pool, call.out, call.kv_heads = pool.data_ptr(), out.data_ptr(), kv.shape[3]
+        call.pool, call.plane, call.out, call.kv_heads = pool.data_ptr(), _plane(pool), out.data_ptr(), kv.shape[3]
         if self._function(ctypes.byref(call)):
             raise MemoryError("the CPU attention kernel could not allocate its buffers")
         return out
+
+
+def _plane(layer: torch.Tensor) -> int:
+    """The stride of one KV head's plane in a layer's pool [2,KV,blocks,16,hd], whose blocks and
+    what they hold must lie as `KVPool.kv` lays them."""
+    head_dim, planes = layer.shape[-1], layer.shape[1]
+    if layer.stride()[2:] != (BLOCK_TOKENS * head_dim, head_dim, 1) or layer.stride(0) != planes * layer.stride(1):
+        raise ValueError("the CPU attention kernel takes a layer's pool laid out as KVPool.kv lays it")
+    return layer.stride(1)
 
 
 def _token_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -390,6 +402,7 @@ class LayerStack:
             slots.data_ptr(), blocks.data_ptr(), starts.data_ptr(), counts.data_ptr())
         lanes.table = blocks.shape[1]
         call.pool, call.pool_layer, call.rotary = pool.data_ptr(), pool.stride(0), rotary.data_ptr()
+        lanes.plane = _plane(pool[0])
         call.tile_rows = _tile_path_from(self._tile_rows, lanes.batch * lanes.chunk)
         status = self._function(x.data_ptr(), ctypes.byref(call))
         if status == -1:

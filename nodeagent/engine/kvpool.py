@@ -1,9 +1,11 @@
-"""A paged KV cache: per layer, 16-token blocks of K and V side by side, shared between
-generations through a prefix cache.
+"""A paged KV cache: per layer, 16-token blocks of K and V, shared between generations through a
+prefix cache.
 
 A generation owns a list of blocks; its position p lives in slot `block[p // 16] * 16 + p % 16`.
-Within a block, each KV head's keys are held transposed ([head_dim, 16], a token per column) and
-its values as they come ([16, head_dim]): the CPU attention kernel (`cpu_attention.h`) scores a
+A layer holds K, then V, each as a plane per KV head with every block in turn
+([2, KV, blocks, 16, head_dim]), so a lane's blocks in order are two streams of memory a head.
+Within a block, a head's keys are held transposed ([head_dim, 16], a token per column) and its
+values as they come ([16, head_dim]): the CPU attention kernel (`cpu_attention.h`) scores a
 block's 16 keys as one vector and reads the blocks in place. Elsewhere `read` copies the blocks
 out for SDPA. One extra block past the end is scratch: padded query positions write there and
 padded key positions read from there, so a batch never needs a branch for ragged lanes.
@@ -66,7 +68,7 @@ class CausalLane:
     @classmethod
     def of(cls, n_tokens: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> CausalLane:
         n_blocks = blocks_for(n_tokens)
-        layer = torch.zeros(n_blocks, 2, n_kv_heads, BLOCK_TOKENS, head_dim, dtype=dtype, device=device)
+        layer = torch.zeros(2, n_kv_heads, n_blocks, BLOCK_TOKENS, head_dim, dtype=dtype, device=device)
         return cls(
             layer,
             slots=torch.arange(n_tokens, device=device),
@@ -90,12 +92,12 @@ class KVPool:
     ):
         if n_blocks < 1:
             raise ValueError("a KV pool needs at least one block")
-        shape = (n_layers, n_blocks + 1, 2, n_kv_heads, BLOCK_TOKENS, head_dim)
+        shape = (n_layers, 2, n_kv_heads, n_blocks + 1, BLOCK_TOKENS, head_dim)
         self.kv = torch.empty(shape, dtype=dtype, device=device)
         self.total = n_blocks
         self.scratch_block = n_blocks
         self.scratch_slot = n_blocks * BLOCK_TOKENS
-        self.kv[:, n_blocks].zero_()
+        self.blocks(n_blocks).zero_()
         self._refs = [0] * n_blocks
         #: Unheld blocks without a key; the last released is reused first, so the pool's
         #: resident memory stays as small as its use.
@@ -138,8 +140,12 @@ class KVPool:
             self._fresh += taken
         return taken
 
+    def blocks(self, which: int | slice | list[int]) -> torch.Tensor:
+        """Every layer's K and V of block(s) `which` (a view where indexing gives one)."""
+        return self.kv[:, :, :, which]
+
     def zero(self, blocks: Sequence[int]) -> None:
-        self.kv.index_fill_(1, torch.tensor(blocks, device=self.kv.device), 0)
+        self.kv.index_fill_(BLOCK_DIM, torch.tensor(blocks, device=self.kv.device), 0)
 
     def take_fresh(self) -> list[int]:
         """The blocks zeroed since the last call, which another rank's pool must zero too."""
@@ -152,8 +158,11 @@ class KVPool:
         return block
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop one hold on each of `blocks`; an unheld block stays cached if it has a key."""
-        for block in blocks:
+        """Drop one hold on each of `blocks`; an unheld block stays cached if it has a key.
+        They go back last first: a chain's tail is then evicted before its start, which every
+        later match needs, and free blocks come out again in the order they were held, so a
+        lane's blocks stay in order in memory (the attention kernel reads them as a stream)."""
+        for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block]:
                 continue
@@ -193,24 +202,27 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store kv [N,2,KV,hd] at `slots` [N]."""
         block, token = slots // BLOCK_TOKENS, slots % BLOCK_TOKENS
-        _transposed_keys(self.kv[layer])[block, :, :, token] = kv[:, 0]
-        self.kv[layer, :, 1][block, :, token] = kv[:, 1]
+        _transposed_keys(self.kv[layer, 0])[:, block, :, token] = kv[:, 0]
+        self.kv[layer, 1][:, block, token] = kv[:, 1].transpose(0, 1)
 
     def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B,KV,T,hd] of `blocks` [B,nb], T = nb * 16."""
-        batch, n_blocks = blocks.shape
-        taken = self.kv[layer].index_select(0, blocks.flatten())
-        keys = _transposed_keys(taken).transpose(-1, -2)
-        return _tokens_in_order(keys, batch), _tokens_in_order(taken[:, 1], batch)
+        batch = blocks.shape[0]
+        keys, values = self.kv[layer].index_select(BLOCK_DIM - 1, blocks.flatten())
+        keys = _transposed_keys(keys).transpose(-1, -2)
+        return _tokens_in_order(keys, batch), _tokens_in_order(values, batch)
 
 
-def _transposed_keys(blocks: torch.Tensor) -> torch.Tensor:
-    """The keys of blocks [N,2,KV,16,hd] as they are held: [N,KV,hd,16]."""
-    return blocks[:, 0].flatten(-2).unflatten(-1, (blocks.shape[-1], BLOCK_TOKENS))
+#: The dimension of `KVPool.kv` [layers, 2, KV, blocks, 16, hd] that counts blocks.
+BLOCK_DIM = 3
 
 
-def _tokens_in_order(per_block: torch.Tensor, batch: int) -> torch.Tensor:
-    """[B*nb,KV,16,hd] as [B,KV,nb*16,hd]."""
-    n_kv, head_dim = per_block.shape[1], per_block.shape[-1]
-    per_lane = per_block.reshape(batch, -1, n_kv, BLOCK_TOKENS, head_dim).transpose(1, 2)
-    return per_lane.reshape(batch, n_kv, -1, head_dim)
+def _transposed_keys(planes: torch.Tensor) -> torch.Tensor:
+    """The keys of planes [KV,N,16,hd] as they are held: [KV,N,hd,16]."""
+    return planes.flatten(-2).unflatten(-1, (planes.shape[-1], BLOCK_TOKENS))
+
+
+def _tokens_in_order(planes: torch.Tensor, batch: int) -> torch.Tensor:
+    """[KV,B*nb,16,hd] as [B,KV,nb*16,hd]."""
+    n_kv, head_dim = planes.shape[0], planes.shape[-1]
+    return planes.reshape(n_kv, batch, -1, head_dim).transpose(0, 1)

@@ -148,6 +148,30 @@ def test_a_row_gives_the_same_bits_whichever_chunk_and_batch_compute_it(cuts, ot
     assert torch.equal(torch.cat(pieces), whole)
 
 
+@pytest.mark.parametrize("build", [build.name for build in cpu_kernels.BUILDS])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+def test_a_decode_steps_narrow_tile_gives_the_bits_of_a_prefills_wide_one(build, group):
+    """A step of one token a lane has only its G heads' rows, which take the kernel's narrow
+    tile where G is at most half a tile; a prefill's rows take the wide one."""
+    kernels = _kernels(build)
+    pool = _pool(64)
+    lane, neighbour = _lanes(pool, [37, 37], group, 64, seed=group)
+    whole = _step(kernels, pool, [lane], [0], [37], 0)[0]
+    pool.zero(list(range(pool.total)))
+    one_by_one = torch.cat([_step(kernels, pool, [neighbour, lane], [p, p], [1, 1], 0)[1] for p in range(37)])
+    assert torch.equal(one_by_one, whole)
+
+
+def test_the_kernel_refuses_a_pool_laid_out_otherwise():
+    kernels = _kernels()
+    pool = _pool(64)
+    lane = _lanes(pool, [3], 1, 64, seed=1)[0]
+    blocks_first = pool.kv[0].permute(2, 0, 1, 3, 4).contiguous().permute(1, 2, 0, 3, 4)
+    with pytest.raises(ValueError, match="laid out"):
+        kernels.attention(blocks_first, lane.q[None], lane.kv[None], torch.tensor(_slots(lane, range(3))),
+                          torch.tensor([lane.blocks]), torch.tensor([0]), torch.tensor([3]), 0)
+
+
 def test_the_avx512_and_avx2_builds_give_the_same_bits():
     builds = [_kernels(build.name) for build in cpu_kernels.BUILDS]
     outputs = []

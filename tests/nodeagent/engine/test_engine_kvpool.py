@@ -17,7 +17,7 @@ def pool() -> KVPool:
 
 
 def block_value(pool: KVPool, block: int) -> float:
-    return float(pool.kv[0, block, 0, 0, 0, 0])
+    return float(pool.blocks(block)[0, 0, 0, 0, 0])
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -53,7 +53,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.keys = {k: b for k, b in self.keys.items() if b != block}
         for block in taken:
             assert block_value(self.pool, block) == 0.0, "a block is zeroed when handed out"
-            self.pool.kv[0, block, 0, 0, 0, 0] = self.next_stamp
+            self.pool.blocks(block)[0, 0, 0, 0, 0] = self.next_stamp
             self.stamp[block] = self.next_stamp
             self.next_stamp += 1
         self.holds += taken
@@ -108,11 +108,11 @@ def test_keys_name_the_whole_prefix():
 def test_blocks_handed_out_are_zeroed_whatever_the_storage_held():
     """The storage starts empty (garbage, possibly NaN, that attention must never see)."""
     p = KVPool(2, 2, 8, 8, torch.float32, torch.device("cpu"))
-    assert bool((p.kv[:, p.scratch_block] == 0).all())
-    p.kv[:, : p.total].fill_(float("nan"))
+    assert bool((p.blocks(p.scratch_block) == 0).all())
+    p.blocks(slice(p.total)).fill_(float("nan"))
     blocks = p.allocate(3)
-    assert bool((p.kv[:, blocks] == 0).all())
-    assert bool(p.kv[:, [b for b in range(p.total) if b not in blocks]].isnan().all())
+    assert bool((p.blocks(blocks) == 0).all())
+    assert bool(p.blocks([b for b in range(p.total) if b not in blocks]).isnan().all())
 
 
 def test_each_handed_out_block_is_reported_fresh_once_for_the_other_ranks_to_zero():
@@ -120,7 +120,29 @@ def test_each_handed_out_block_is_reported_fresh_once_for_the_other_ranks_to_zer
     pool.kv.fill_(float("nan"))
     first = pool.allocate(2)
     assert pool.take_fresh() == first and pool.take_fresh() == []
-    assert not pool.kv[:, first].isnan().any(), "handed out zeroed"
+    assert not pool.blocks(first).isnan().any(), "handed out zeroed"
     pool.release(first)
     again = pool.allocate(1)
     assert pool.take_fresh() == again
+
+
+def test_released_blocks_come_back_in_the_order_they_were_held():
+    """A lane's blocks in ascending order are one stream a head for the attention kernel."""
+    pool = KVPool(1, 1, 2, 8, torch.float32, torch.device("cpu"))
+    first = pool.allocate(5)
+    assert first == [0, 1, 2, 3, 4]
+    pool.release(first)
+    assert pool.allocate(3) == [0, 1, 2]
+
+
+def test_a_released_chain_is_evicted_from_its_tail():
+    """A prefix match needs a chain's first blocks, so its last ones are the first to go."""
+    pool = KVPool(1, 1, 2, 4, torch.float32, torch.device("cpu"))
+    chain = pool.allocate(4)
+    keys = []
+    for n, block in enumerate(chain):
+        keys.append(chain_key(keys[-1] if keys else b"", [n] * 16))
+        pool.publish(block, keys[-1])
+    pool.release(chain)
+    pool.allocate(1)
+    assert pool.match(keys) == chain[:3]
