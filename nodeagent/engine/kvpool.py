@@ -126,13 +126,12 @@ class KVPool:
         return len(self._key_of)
 
     def allocate(self, n_blocks: int) -> list[int] | None:
-        """`n_blocks` zeroed blocks, held once; None (and nothing taken) when too few are
-        available. Free blocks go first, then the least recently released cached ones."""
+        """`n_blocks` zeroed blocks, held once, in ascending order (a lane's blocks in order
+        in memory); None (and nothing taken) when too few are available. Free blocks go
+        first, then the least recently released cached ones."""
         if n_blocks > self.available:
             return None
-        taken = []
-        for _ in range(n_blocks):
-            taken.append(self._free.pop() if self._free else self._evict())
+        taken = sorted(self._free.pop() if self._free else self._evict() for _ in range(n_blocks))
         for block in taken:
             self._refs[block] = 1
         if taken:
@@ -160,8 +159,7 @@ class KVPool:
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one hold on each of `blocks`; an unheld block stays cached if it has a key.
         They go back last first: a chain's tail is then evicted before its start, which every
-        later match needs, and free blocks come out again in the order they were held, so a
-        lane's blocks stay in order in memory (the attention kernel reads them as a stream)."""
+        later match needs, and the free blocks a lane held come out again first to last."""
         for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block]:

@@ -9,6 +9,10 @@ minutes on 2 cores) and run with the better of 1 and all CPU threads. Ours is a
 Rows, prompt 128 tokens, 64 new tokens, greedy:
 - decode tokens/s at one sequence (target ≥ 0.5× llama.cpp's) and summed over 8 at once
   (target ≥ 1.0×): (T(65) - T(1)) over the wire, so prefill and set-up cancel out;
+- for SmolLM2, decode at one sequence after a `DEPTH`-token prompt against `llama-bench -d`
+  (target ≥ 0.5×), timed from the first token to the last: attention's share of a step grows
+  with the context (on a 1B file the peer's own prefill of that context would take minutes a
+  trial);
 - prefill tokens/s (target ≥ 3×): the median over `ROUNDS` rounds, each llama-bench's prefill
   then ours right after it, with the rounds' range of ratios (the machine's pace drifts
   between one tool's run and the other's); on int4 weights also with `--fast-prefill` (a
@@ -64,6 +68,8 @@ TOOLS = ("llama-bench", "llama-batched-bench")
 #: died with SIGILL at their first tile instruction (torch's oneDNN runs AMX there).
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 PROMPT, NEW, LANES = 128, 64, 8
+#: The context of the long-context decode row.
+DEPTH = 2048
 TRIALS = 3
 #: Back-to-back rounds of both prefills, whose ratios give the prefill row and its range.
 ROUNDS = 5
@@ -83,6 +89,8 @@ class Figures:
     prefill_threads: int = 1
     #: (llama.cpp's, ours) prefill tokens/s, a pair a round.
     prefill_rounds: list[tuple[float, float]] = field(default_factory=list)
+    #: Decode tokens/s at one sequence after `DEPTH` tokens; 0 where not measured.
+    decode_deep: float = 0.0
 
     def prefill_ratios(self) -> list[float]:
         return sorted(ours / theirs for theirs, ours in self.prefill_rounds)
@@ -139,11 +147,18 @@ def _run_measured(cmd: list[str]) -> tuple[str, float]:
     return out, usage.ru_maxrss / 1024
 
 
-def llama_cpp_figures(bin_dir: Path, model: Path) -> Figures:
+def _thread_counts() -> list[int]:
+    return sorted({1, os.cpu_count() or 1})
+
+
+def llama_cpp_figures(bin_dir: Path, model: Path, deep: bool) -> Figures:
     """The better of 1 and all CPU threads for each figure, as the issue's table took them."""
-    threads = sorted({1, os.cpu_count() or 1})
     best = Figures(0, 0, 0, 0)
-    for t in threads:
+    for t in _thread_counts():
+        if deep:
+            out, _ = _run_measured([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(NEW),
+                                    "-d", str(DEPTH), "-t", str(t), "-r", str(TRIALS), "-o", "json"])
+            best.decode_deep = max(best.decode_deep, json.loads(out)[0]["avg_ts"])
         out, peak = _run_measured([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(PROMPT), "-n", str(NEW),
                                    "-t", str(t), "-r", str(TRIALS), "-o", "json"])
         for test in json.loads(out):
@@ -181,7 +196,7 @@ def _serving_weights(node: Noded) -> tuple[str, ...]:
     return next(match for match in map(SERVING_LINE.search, node.lines) if match).groups()
 
 
-def node_figures(model: Path, home: Path, peer_prefill: Callable[[], float]) -> Figures:
+def node_figures(model: Path, home: Path, peer_prefill: Callable[[], float], deep: bool) -> Figures:
     """Our figures, and `ROUNDS` rounds of `peer_prefill` and ours back to back."""
     node = _node(model, home)
     try:
@@ -193,6 +208,7 @@ def node_figures(model: Path, home: Path, peer_prefill: Callable[[], float]) -> 
             fulls = [_timed([head], rng, NEW + 1) for _ in range(TRIALS)]
             rounds = [(peer_prefill(), PROMPT / min(_timed([head], rng, 1) for _ in range(TRIALS)))
                       for _ in range(ROUNDS)]
+            deep_rate = _deep_decode_rate(head, rng) if deep else 0.0
         # Connected only now: a head idle through the one-lane rounds of a big model would
         # outlast the node's idle timeout.
         heads = [FleetHead.connect(node.addr) for _ in range(LANES)]
@@ -207,6 +223,7 @@ def node_figures(model: Path, home: Path, peer_prefill: Callable[[], float]) -> 
             rss_mb=idle,
             note=f"weights {weights_mb} MB {fmt} ({why})",
             prefill_rounds=rounds,
+            decode_deep=deep_rate,
         )
     finally:
         node.stop()
@@ -226,23 +243,38 @@ def fast_prefill(model: Path, home: Path) -> float | None:
         node.stop()
 
 
+def _deep_decode_rate(head: FleetHead, rng: random.Random) -> float:
+    """Decode tokens/s at one sequence after a `DEPTH`-token prompt, timed from the first
+    token's arrival: the prefill of that prompt swings by more than the decode it would take
+    away from."""
+    streaming = []
+    for _ in range(TRIALS):
+        _timed([head], rng, NEW + 1, DEPTH, streaming)
+    return NEW / min(streaming)
+
+
 _session_ids = iter(range(100, 10**6))
 
 
-def _timed(heads: list[FleetHead], rng: random.Random, new: int) -> float:
+def _timed(heads: list[FleetHead], rng: random.Random, new: int, prompt: int = PROMPT,
+           streaming: list[float] | None = None) -> float:
     """Wall time of one generation of `new` tokens on each head at once, each on a fresh
-    random prompt (so the prefix cache never answers it)."""
+    random `prompt`-token prompt (so the prefix cache never answers it); the time from the
+    first token to the last goes to `streaming`, where given."""
     reqs = []
     for h in heads:
         sid = next(_session_ids)
         h.assign(sid, GenParams())
-        h.append(sid, [rng.randrange(100, 30000) for _ in range(PROMPT)])
+        h.append(sid, [rng.randrange(100, 30000) for _ in range(prompt)])
         reqs.append((h, sid))
     by_endpoint = {h.endpoint: h for h in heads}
     began = time.monotonic()
     sent = [(h, sid, h.request(sid, new)) for h, sid in reqs]
-    tokens, _ = read_streams(list(by_endpoint), new + 1, lambda e, m: by_endpoint[e].handle(m))
-    took = time.monotonic() - began
+    tokens, first = read_streams(list(by_endpoint), new + 1, lambda e, m: by_endpoint[e].handle(m))
+    ended = time.monotonic()
+    if streaming is not None:
+        streaming.append(ended - first)
+    took = ended - began
     if tokens != new * len(heads):
         raise RuntimeError(f"a round brought {tokens} tokens, not {new * len(heads)}")
     for h, sid, req in sent:
@@ -254,15 +286,18 @@ def _timed(heads: list[FleetHead], rng: random.Random, new: int) -> float:
 # ---- the table --------------------------------------------------------------------------------
 
 
-def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, against_file: bool) -> list[str]:
-    peer = llama_cpp_figures(bin_dir, model)
-    ours = node_figures(model, home, lambda: llama_cpp_prefill(bin_dir, model, peer.prefill_threads))
+def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, against_file: bool,
+            deep: bool = False) -> list[str]:
+    peer = llama_cpp_figures(bin_dir, model, deep)
+    ours = node_figures(model, home, lambda: llama_cpp_prefill(bin_dir, model, peer.prefill_threads), deep)
     beyond = ours.rss_mb - bare
     theirs_prefill = statistics.median(theirs for theirs, _ in ours.prefill_rounds)
     ratios = ours.prefill_ratios()
     rows = [
         ("decode, one sequence (tok/s)", peer.decode_1, ours.decode_1, ours.decode_1 / peer.decode_1, 0.5),
         (f"decode, {LANES} sequences (sum, tok/s)", peer.decode_8, ours.decode_8, ours.decode_8 / peer.decode_8, 1.0),
+        *([(f"decode, one sequence at {DEPTH} (tok/s)", peer.decode_deep, ours.decode_deep,
+            ours.decode_deep / peer.decode_deep, 0.5)] if deep else []),
         (f"prefill, median of {ROUNDS} rounds (tok/s)", theirs_prefill, ours.prefill, statistics.median(ratios), 3.0),
     ]
     fast = fast_prefill(model, home) if " int4 " in f" {ours.note} " else None
@@ -299,7 +334,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         smollm2 = Path(alias_path(ALIASES["smollm2-135m-instruct"]))
-        missed += compare("SmolLM2-135M-Instruct", smollm2, bin_dir, bare, home, against_file=False)
+        missed += compare("SmolLM2-135M-Instruct", smollm2, bin_dir, bare, home, against_file=False, deep=True)
         if "--no-1b" not in sys.argv:
             from gguf_1b import write_1b
 
