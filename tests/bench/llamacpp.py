@@ -13,7 +13,8 @@ Rows, prompt 128 tokens, 64 new tokens, greedy:
   (target ≥ 0.5×), timed from the first token to the last: attention's share of a step grows
   with the context (on a 1B file the peer's own prefill of that context would take minutes a
   trial);
-- prefill tokens/s (target ≥ 3×): the median over `ROUNDS` rounds, each llama-bench's prefill
+- prefill tokens/s (target ≥ 3× on SmolLM2, the issue's; reported on the 1B files, whose
+  larger products llama.cpp runs near its arithmetic's pace): the median over `ROUNDS` rounds, each llama-bench's prefill
   then ours right after it, with the rounds' range of ratios (the machine's pace drifts
   between one tool's run and the other's); on int4 weights also with `--fast-prefill` (a
   second node; its tokens may depend on batching, docs/engines.md), where the flag takes (on
@@ -287,7 +288,10 @@ def _timed(heads: list[FleetHead], rng: random.Random, new: int, prompt: int = P
 
 
 def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, against_file: bool,
-            deep: bool = False) -> list[str]:
+            smollm2: bool = False) -> list[str]:
+    """The table for `model`; the misses. SmolLM2's adds the long-context decode row, and only its
+    prefill is held to 3x (the issue's target; on the 1B files the row is reported)."""
+    deep = smollm2
     peer = llama_cpp_figures(bin_dir, model, deep)
     ours = node_figures(model, home, lambda: llama_cpp_prefill(bin_dir, model, peer.prefill_threads), deep)
     beyond = ours.rss_mb - bare
@@ -298,15 +302,20 @@ def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, aga
         (f"decode, {LANES} sequences (sum, tok/s)", peer.decode_8, ours.decode_8, ours.decode_8 / peer.decode_8, 1.0),
         *([(f"decode, one sequence at {DEPTH} (tok/s)", peer.decode_deep, ours.decode_deep,
             ours.decode_deep / peer.decode_deep, 0.5)] if deep else []),
-        (f"prefill, median of {ROUNDS} rounds (tok/s)", theirs_prefill, ours.prefill, statistics.median(ratios), 3.0),
+        (f"prefill, median of {ROUNDS} rounds (tok/s)", theirs_prefill, ours.prefill, statistics.median(ratios),
+         3.0 if smollm2 else None),
     ]
     fast = fast_prefill(model, home) if " int4 " in f" {ours.note} " else None
     if fast is not None:
-        rows.append(("prefill, --fast-prefill (tok/s)", theirs_prefill, fast, fast / theirs_prefill, 3.0))
+        rows.append(("prefill, --fast-prefill (tok/s)", theirs_prefill, fast, fast / theirs_prefill,
+                     3.0 if smollm2 else None))
     print(f"\n== {title}: {model.name} ({model.stat().st_size / 2**20:.0f} MB); ours: {ours.note}")
     print(f"  {'':38} {'llama.cpp':>10} {'this node':>10} {'ratio':>7}  target")
     missed = []
     for name, theirs, mine, ratio, target in rows:
+        if target is None:
+            print(f"  {name:38} {theirs:10.1f} {mine:10.1f} {ratio:6.2f}x  (reported)")
+            continue
         mark = "ok" if ratio >= target else "MISSED"
         print(f"  {name:38} {theirs:10.1f} {mine:10.1f} {ratio:6.2f}x  ≥ {target}x {mark}")
         if ratio < target:
@@ -334,7 +343,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         smollm2 = Path(alias_path(ALIASES["smollm2-135m-instruct"]))
-        missed += compare("SmolLM2-135M-Instruct", smollm2, bin_dir, bare, home, against_file=False, deep=True)
+        missed += compare("SmolLM2-135M-Instruct", smollm2, bin_dir, bare, home, against_file=False, smollm2=True)
         if "--no-1b" not in sys.argv:
             from gguf_1b import write_1b
 
