@@ -33,6 +33,10 @@ from nodeagent.engine.quant import (
 )
 from nodeagent.engine.rope import interleave_pairs, inv_frequencies, rope_table
 
+#: Rows a cache-free pass (`run_causal`) runs through a layer at once on the layer stack: a
+#: prefill chunk's worth, whose rows' buffers stay in cache.
+CAUSAL_CHUNK = 512
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -254,9 +258,7 @@ class LlamaModel:
             lane = CausalLane.of(n, c.n_kv_heads, c.head_dim, self.dtype, self.device)
             stack = self.layer_stack()
             if stack is not None:
-                rows = x.clone(memory_format=torch.contiguous_format)
-                pool = lane.layer.expand(end - start, *lane.layer.shape)
-                return stack(rows, freqs, pool, lane.slots, lane.blocks, lane.starts, lane.counts, range(start, end))
+                return _stacked_causal(stack, x, freqs, lane, range(start, end))
             step = kernels.attention_step(lane.slots, lane.blocks, lane.starts, lane.counts, c.sliding_window or 0)
 
             def attend(_: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -275,6 +277,25 @@ class LlamaModel:
             return grouped_attention(q, keys, values, mask)
 
         return attend
+
+
+def _stacked_causal(stack: LayerStack, x: torch.Tensor, freqs: torch.Tensor, lane: CausalLane,
+                    layers: range) -> torch.Tensor:
+    """`run_causal` on the layer stack: in one call where the rows fit one chunk, else a layer at
+    a time in chunks of `CAUSAL_CHUNK` rows, each seeing the keys its layer's earlier chunks
+    stored. A row's operations are the same either way, so are its bits; the chunks bound the
+    call's buffers and keep them in cache."""
+    rows = x.clone(memory_format=torch.contiguous_format)
+    n = rows.shape[1]
+    spans = [layers] if n <= CAUSAL_CHUNK else [range(i, i + 1) for i in layers]
+    for span in spans:
+        pool = lane.layer.expand(len(span), *lane.layer.shape)
+        for first in range(0, n, CAUSAL_CHUNK):
+            last = min(n, first + CAUSAL_CHUNK)
+            starts, counts = lane.starts + first, torch.full_like(lane.counts, last - first)
+            stack(rows[:, first:last], freqs[:, first:last], pool, lane.slots[first:last], lane.blocks, starts,
+                  counts, span)
+    return rows
 
 
 def _layer_stack(c: ModelConfig, layers: list[LayerWeights]) -> LayerStack | None:

@@ -153,8 +153,8 @@ def _prefill_of(model: LlamaModel, tokens: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("window", [None, 6])
 def test_a_cache_free_pass_gives_every_split_the_bits_of_the_nodes_own_prefill(weights, window, monkeypatch):
     """`run_causal`, which stage forwards run, attends on scratch blocks of its own: through the
-    stack or layer by layer, whole or split at any layer, it gives the last position the bits a
-    prefill gives it, and stays near SDPA's."""
+    stack (in one call or a layer at a time in chunks of rows) or layer by layer, whole or split
+    at any layer, it gives the last position the bits a prefill gives it, and stays near SDPA's."""
     config = dataclasses.replace(TINY, sliding_window=window)
     model = LlamaModel.from_source(config, DictSource(random_tensors(config, seed=5, std=0.1)), torch.float32, CPU,
                                    weights)
@@ -166,6 +166,9 @@ def test_a_cache_free_pass_gives_every_split_the_bits_of_the_nodes_own_prefill(w
         given = x.clone()
         whole = model.run_causal(x, 0, TINY.n_layers)
         splits = [model.run_causal(model.run_causal(x, 0, k), k, TINY.n_layers) for k in range(TINY.n_layers + 1)]
+        monkeypatch.setattr(model_module, "CAUSAL_CHUNK", 8)
+        chunked = model.run_causal(x, 0, TINY.n_layers)
+        chunked_split = model.run_causal(model.run_causal(x, 0, 1), 1, TINY.n_layers)
         monkeypatch.setattr(model, "layer_stack", lambda: None)
         apart = model.run_causal(x, 0, TINY.n_layers)
         monkeypatch.setattr(model_module, "attending_kernels", lambda *_: None)
@@ -174,6 +177,7 @@ def test_a_cache_free_pass_gives_every_split_the_bits_of_the_nodes_own_prefill(w
     assert torch.equal(x, given)
     assert torch.equal(whole[0, -1], _prefill_of(model, tokens)[0])
     assert all(torch.equal(split, whole) for split in splits)
+    assert torch.equal(chunked, whole) and torch.equal(chunked_split, whole)
     assert torch.equal(apart, whole)
     assert not torch.equal(masked, whole)  # SDPA sums in another order
     assert float((masked - whole).abs().max()) < 1e-3 * float(whole.abs().max())  # the activations' rounding
