@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 BLOCK_TOKENS = 16
+#: The dimension of `KVPool.kv` [layers, 2, KV, blocks, 16, hd] that counts blocks.
+BLOCK_DIM = 3
 #: Enough that two different token chains never share a key in practice.
 KEY_BYTES = 16
 
@@ -141,7 +143,7 @@ class KVPool:
 
     def blocks(self, which: int | slice | list[int]) -> torch.Tensor:
         """Every layer's K and V of block(s) `which` (a view where indexing gives one)."""
-        return self.kv[:, :, :, which]
+        return self.kv[(slice(None),) * BLOCK_DIM + (which,)]
 
     def zero(self, blocks: Sequence[int]) -> None:
         self.kv.index_fill_(BLOCK_DIM, torch.tensor(blocks, device=self.kv.device), 0)
@@ -209,10 +211,6 @@ class KVPool:
         keys, values = self.kv[layer].index_select(BLOCK_DIM - 1, blocks.flatten())
         keys = _transposed_keys(keys).transpose(-1, -2)
         return _tokens_in_order(keys, batch), _tokens_in_order(values, batch)
-
-
-#: The dimension of `KVPool.kv` [layers, 2, KV, blocks, 16, hd] that counts blocks.
-BLOCK_DIM = 3
 
 
 def _transposed_keys(planes: torch.Tensor) -> torch.Tensor:
