@@ -47,7 +47,8 @@ usage: {PROGRAM} --model <path|builtin> [--listen <ip:port>] [--auth-file <path>
 [--runtime <id>] [--model-name <id>] [--max-context N] [--max-batch N] [--identity <name>] \
 [--offline] [--insecure-no-auth] [--idle-timeout-ms N] [--handshake-timeout-ms N] \
 [--write-timeout-ms N] [--stream-interval-ms N] \
-[--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--weights auto|float|int8|int4] \
+[--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--kv-dtype auto|float32|bfloat16|float16] \
+[--weights auto|float|int8|int4] \
 [--fast-prefill] [--kv-budget-mb N] [--engine-stall-timeout-ms N] [--tensor-parallel N] \
 [--drain-timeout-ms N] [--token-delay-ms N] [--record <dir>] \
 [--metrics-listen <ip:port>] [--log-format text|json] [--max-connections N] \
@@ -64,6 +65,9 @@ mock` (alias --engine) needs no model. Nothing is downloaded.
  --auth-file holds the fleet token (default $SUPERFLUID_HOME/fleet/token, from
  `superfluid fleet token`); with it the link is encrypted and both ends checked.
  --dtype (torch) defaults to auto: bf16 on CUDA, fp32 on CPU.
+ --kv-dtype (torch) is what the KV pool holds; auto is fp16 where the node's CPU kernels attend
+ (an fp32 model on the CPU: half the memory a token's keys and values take, and half the bytes
+ a decode step reads), else the model's dtype.
  --weights (torch) defaults to auto: a quantized GGUF file stays quantized on the CPU (int4 or
  int8, whichever this CPU runs faster than float), anything else is float; int8 and int4
  quantize any checkpoint at load; the serving line says what was chosen and why.
@@ -145,6 +149,7 @@ class Options:
     stream_interval_ms: int = int(STREAM_INTERVAL_S * 1000)
     device: str = "auto"
     dtype: str = "auto"
+    kv_dtype: str = "auto"
     weights: str = "auto"
     fast_prefill: bool = False
     kv_budget_mb: int | None = None
@@ -255,6 +260,7 @@ FLAGS = {
     "--stream-interval-ms": ("stream_interval_ms", _interval_ms),
     "--device": ("device", _device),
     "--dtype": ("dtype", _dtype),
+    "--kv-dtype": ("kv_dtype", _dtype),
     "--weights": ("weights", _weights),
     "--fast-prefill": ("fast_prefill", None),
     "--kv-budget-mb": ("kv_budget_mb", _count),
@@ -529,6 +535,7 @@ def load(opts: Options, runtime: str):
             opts.model,
             device=opts.device,
             dtype=opts.dtype,
+            kv_dtype=opts.kv_dtype,
             weights=opts.weights,
             fast_prefill=opts.fast_prefill,
             threads=threads,

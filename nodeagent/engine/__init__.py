@@ -17,6 +17,7 @@ def open_engine(
     kv_budget_mb: int | None = None,
     token_delay_s: float = 0.0,
     dtype: str = "auto",
+    kv_dtype: str = "auto",
     weights: str = "auto",
     fast_prefill: bool = False,
     threads: int | None = None,
@@ -27,8 +28,8 @@ def open_engine(
     """Build the daemon for `runtime`; imports torch only when the torch engine is asked for.
 
     `token_delay_s` slows the mock's every step, so tests can hold a generation open. The
-    stall timeout, the failpoints, fast prefill and tensor parallelism are the torch engine's:
-    the mock has no scheduler thread and no layers to split.
+    stall timeout, the failpoints, the KV dtype, fast prefill and tensor parallelism are the
+    torch engine's: the mock has no scheduler thread, no KV pool and no layers to split.
     """
     if runtime == "mock":
         from nodeagent.engine.mock import MOCK_WINDOW, MockDaemon
@@ -49,6 +50,7 @@ def open_engine(
             max_context=max_context,
             kv_budget_mb=kv_budget_mb,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             weights=weights,
             fast_prefill=fast_prefill,
             threads=threads,

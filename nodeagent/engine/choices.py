@@ -4,7 +4,8 @@ imports no engine (and no torch)."""
 import enum
 
 RUNTIMES = ("mock", "torch")
-#: `--dtype` choices for the torch engine; auto is bf16 on CUDA and fp32 on CPU.
+#: `--dtype` and `--kv-dtype` choices for the torch engine. The model's auto is bf16 on CUDA and
+#: fp32 on CPU; the KV pool's is fp16 where the node's CPU kernels attend, else the model's.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

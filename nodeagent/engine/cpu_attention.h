@@ -23,18 +23,36 @@ typedef struct {
     const float *q;           /* [B][C] rows of `q_stride` floats, head h's query at h * head_dim */
     const float *new_kv;      /* [B][C] rows of `kv_stride` floats: K then V, [2][kv_heads][head_dim] */
     long q_stride, kv_stride;
-    long plane;               /* floats from one KV head's plane of the pool to the next */
+    long plane;               /* values from one KV head's plane of the pool to the next */
     const int64_t *slots;     /* [B * C] where each row's K and V go */
-    float *pool;              /* this layer's blocks, [2][kv_heads][plane]: a plane holds 16 * head_dim a block */
+    void *pool;               /* this layer's blocks, [2][kv_heads][plane]: a plane holds 16 * head_dim a block */
     const int64_t *blocks;    /* [B][table] each lane's block table */
     const int64_t *starts;    /* [B] the position of each lane's first row */
     const int64_t *counts;    /* [B] each lane's real rows; the rest are padding */
     float *out;               /* [B][C][heads * head_dim] */
     int batch, chunk, heads, kv_heads, head_dim, table, window;
+    int half;                 /* the pool holds fp16 values, else fp32 */
 } attention_call;
 
-static float *block_part(const attention_call *a, int64_t block, int part, int kv_head) {
-    return a->pool + (size_t)(part * a->kv_heads + kv_head) * a->plane + (size_t)block * KV_BLOCK * a->head_dim;
+static inline size_t pool_unit(int half) {
+    return half ? sizeof(uint16_t) : sizeof(float);
+}
+
+static char *block_part(const attention_call *a, int64_t block, int part, int kv_head) {
+    size_t at = (size_t)(part * a->kv_heads + kv_head) * a->plane + (size_t)block * KV_BLOCK * a->head_dim;
+    return (char *)a->pool + at * pool_unit(a->half);
+}
+
+/* Sixteen of the pool's values from `at` (fp16 or fp32) as floats. */
+static inline __attribute__((always_inline)) v16 pool_load(const char *at, size_t index, int half) {
+    return half ? v16_from_fp16((const uint16_t *)at + index) : v16_load((const float *)at + index);
+}
+
+static inline void pool_store(char *at, size_t index, float x, int half) {
+    if (half)
+        ((uint16_t *)at)[index] = fp16_of_float(x);
+    else
+        ((float *)at)[index] = x;
 }
 
 static void store_kv(const attention_call *a) {
@@ -43,10 +61,11 @@ static void store_kv(const attention_call *a) {
         int64_t block = a->slots[i] / KV_BLOCK, lane = a->slots[i] % KV_BLOCK;
         for (int h = 0; h < a->kv_heads; h++) {
             const float *k = a->new_kv + i * a->kv_stride + (size_t)h * hd, *v = k + (size_t)a->kv_heads * hd;
-            float *keys = block_part(a, block, 0, h) + lane;
-            for (int d = 0; d < hd; d++)
-                keys[d * KV_BLOCK] = k[d];
-            memcpy(block_part(a, block, 1, h) + lane * hd, v, hd * sizeof(float));
+            char *keys = block_part(a, block, 0, h), *values = block_part(a, block, 1, h);
+            for (int d = 0; d < hd; d++) {
+                pool_store(keys, (size_t)d * KV_BLOCK + lane, k[d], a->half);
+                pool_store(values, (size_t)lane * hd + d, v[d], a->half);
+            }
         }
     }
 }
@@ -62,13 +81,14 @@ typedef struct {
     int from[ATTENTION_ROWS], to[ATTENTION_ROWS], row_of[ATTENTION_ROWS];
 } tile_state;
 
-/* The loops below take the tile's width, `width` rows, as a constant from their one caller. */
-static inline __attribute__((always_inline)) void tile_scores(const tile_state *s, const float *keys, int hd,
-                                                              v16 *scores, int width) {
+/* The loops below take the tile's width, `width` rows, and the pool's kind, `half`, as constants
+ * from their one caller. */
+static inline __attribute__((always_inline)) void tile_scores(const tile_state *s, const char *keys, int hd,
+                                                              v16 *scores, int width, int half) {
     for (int r = 0; r < width; r++)
         scores[r] = v16_set1(0);
     for (int d = 0; d < hd; d++) {
-        v16 k = v16_load(keys + d * KV_BLOCK);
+        v16 k = pool_load(keys, (size_t)d * KV_BLOCK, half);
 #pragma GCC unroll 16
         for (int r = 0; r < width; r++)
             scores[r] = v16_fma(v16_set1(s->q[r][d]), k, scores[r]);
@@ -98,14 +118,14 @@ static void tile_softmax(tile_state *s, const v16 *scores, int rows, int first_k
         v16_store(s->weights[r], v16_fma(v16_load(s->weights[r]), v16_set1(scale[r]), v16_load(s->p[r])));
 }
 
-static inline __attribute__((always_inline)) void tile_values(tile_state *s, const float *values, int hd,
-                                                              const float *scale, int width) {
+static inline __attribute__((always_inline)) void tile_values(tile_state *s, const char *values, int hd,
+                                                              const float *scale, int width, int half) {
     for (int d0 = 0; d0 < hd; d0 += KV_BLOCK) {
         v16 o[ATTENTION_ROWS];
         for (int r = 0; r < width; r++)
             o[r] = v16_mul(v16_load(s->acc[r] + d0), v16_set1(scale[r]));
         for (int t = 0; t < KV_BLOCK; t++) {
-            v16 v = v16_load(values + t * hd + d0);
+            v16 v = pool_load(values, (size_t)t * hd + d0, half);
 #pragma GCC unroll 16
             for (int r = 0; r < width; r++)
                 o[r] = v16_fma(v16_set1(s->p[r][t]), v, o[r]);
@@ -118,13 +138,13 @@ static inline __attribute__((always_inline)) void tile_values(tile_state *s, con
 /* The tile's rows through blocks first..last of lane b's table, for KV head `kv_head`. */
 static inline __attribute__((always_inline)) void walk_blocks(tile_state *s, const attention_call *a,
                                                               const int64_t *table, int kv_head, int rows,
-                                                              int first, int last, int width) {
+                                                              int first, int last, int width, int half) {
     for (int n = first; n <= last; n++) {
         v16 scores[ATTENTION_ROWS];
         float scale[KV_BLOCK];
-        tile_scores(s, block_part(a, table[n], 0, kv_head), a->head_dim, scores, width);
+        tile_scores(s, block_part(a, table[n], 0, kv_head), a->head_dim, scores, width, half);
         tile_softmax(s, scores, rows, n * KV_BLOCK, scale);
-        tile_values(s, block_part(a, table[n], 1, kv_head), a->head_dim, scale, width);
+        tile_values(s, block_part(a, table[n], 1, kv_head), a->head_dim, scale, width, half);
     }
 }
 
@@ -154,10 +174,15 @@ static void attend_tile(const attention_call *a, int b, int kv_head, int first_r
     }
     const int64_t *table = a->blocks + (size_t)b * a->table;
     int first = s.from[0] / KV_BLOCK, last = s.to[rows - 1] / KV_BLOCK;
-    if (rows <= ATTENTION_ROWS / 2)
-        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS / 2);
+    int narrow = rows <= ATTENTION_ROWS / 2;
+    if (a->half && narrow)
+        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS / 2, 1);
+    else if (a->half)
+        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS, 1);
+    else if (narrow)
+        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS / 2, 0);
     else
-        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS);
+        walk_blocks(&s, a, table, kv_head, rows, first, last, ATTENTION_ROWS, 0);
     for (int r = 0; r < rows; r++) {
         float total = 0;
         for (int t = 0; t < KV_BLOCK; t++)

@@ -78,6 +78,8 @@ TILE_ROWS = 4
 COMPILE_TIMEOUT_S = 120
 #: Head sizes the attention kernel takes: multiples of one KV block's 16 tokens, up to its stack's.
 ATTENTION_HEAD_DIMS = range(16, 257, 16)
+#: What the attention kernel's pool may hold: the model's fp32, or fp16 at half the bytes.
+KERNEL_KV_DTYPES = (torch.float32, torch.float16)
 
 
 class AttentionCall(ctypes.Structure):
@@ -90,7 +92,8 @@ class AttentionCall(ctypes.Structure):
         ("kv_stride", ctypes.c_long),
         ("plane", ctypes.c_long),
         *((name, ctypes.c_void_p) for name in ("slots", "pool", "blocks", "starts", "counts", "out")),
-        *((name, ctypes.c_int) for name in ("batch", "chunk", "heads", "kv_heads", "head_dim", "table", "window")),
+        *((name, ctypes.c_int)
+          for name in ("batch", "chunk", "heads", "kv_heads", "head_dim", "table", "window", "half")),
     ]
 
 
@@ -292,19 +295,22 @@ class AttentionStep:
         (q, call.q_stride), (kv, call.kv_stride) = _token_rows(q), _token_rows(kv)
         out = torch.empty(batch, chunk, heads * head_dim)
         call.q, call.new_kv = q.data_ptr(), kv.data_ptr()
-        call.pool, call.plane, call.out, call.kv_heads = pool.data_ptr(), _plane(pool), out.data_ptr(), kv.shape[3]
+        call.pool, call.out, call.kv_heads = pool.data_ptr(), out.data_ptr(), kv.shape[3]
+        call.plane, call.half = _pool_layout(pool)
         if self._function(ctypes.byref(call)):
             raise MemoryError("the CPU attention kernel could not allocate its buffers")
         return out
 
 
-def _plane(layer: torch.Tensor) -> int:
-    """The stride of one KV head's plane in a layer's pool [2,KV,blocks,16,hd], whose blocks and
-    what they hold must lie as `KVPool.kv` lays them."""
+def _pool_layout(layer: torch.Tensor) -> tuple[int, int]:
+    """The stride of one KV head's plane in a layer's pool [2,KV,blocks,16,hd], and whether it
+    holds fp16 (else fp32); its blocks and what they hold must lie as `KVPool.kv` lays them."""
     head_dim, planes = layer.shape[-1], layer.shape[1]
     if layer.stride()[2:] != (BLOCK_TOKENS * head_dim, head_dim, 1) or layer.stride(0) != planes * layer.stride(1):
         raise ValueError("the CPU attention kernel takes a layer's pool laid out as KVPool.kv lays it")
-    return layer.stride(1)
+    if layer.dtype not in KERNEL_KV_DTYPES:
+        raise ValueError(f"the CPU attention kernel takes an fp32 or fp16 pool, not {layer.dtype}")
+    return layer.stride(1), int(layer.dtype == torch.float16)
 
 
 def _token_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -402,7 +408,7 @@ class LayerStack:
             slots.data_ptr(), blocks.data_ptr(), starts.data_ptr(), counts.data_ptr())
         lanes.table = blocks.shape[1]
         call.pool, call.pool_layer, call.rotary = pool.data_ptr(), pool.stride(0), rotary.data_ptr()
-        lanes.plane = _plane(pool[0])
+        lanes.plane, lanes.half = _pool_layout(pool[0])
         call.tile_rows = _tile_path_from(self._tile_rows, lanes.batch * lanes.chunk)
         status = self._function(x.data_ptr(), ctypes.byref(call))
         if status == -1:
@@ -431,12 +437,14 @@ def _rows_of(blocked: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tenso
     return blocked[outputs // 16, :, outputs % 16, :]
 
 
-def attending_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels | None:
-    """The kernels where they attend over KV blocks of `dtype` on `device` with heads of
-    `head_dim`: fp32 on the CPU, a head size they take; else None."""
+def attending_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
+                      kv_dtype: torch.dtype) -> CpuKernels | None:
+    """The kernels where they attend for a model of `dtype` on `device` with heads of `head_dim`
+    over KV blocks of `kv_dtype`: an fp32 model on the CPU, a head size they take, an fp32 or
+    fp16 pool; else None."""
     if device.type != "cpu" or dtype != torch.float32 or head_dim not in ATTENTION_HEAD_DIMS:
         return None
-    return cpu_kernels()
+    return cpu_kernels() if kv_dtype in KERNEL_KV_DTYPES else None
 
 
 @functools.cache

@@ -234,6 +234,17 @@ static inline __m256 floats_of_int8(const int8_t *at) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
 }
 
+/* A float as the nearest fp16 value (ties to even). */
+static inline uint16_t fp16_of_float(float x) {
+    return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* Sixteen fp16 values as floats. */
+static inline v16 v16_from_fp16(const uint16_t *at) {
+    return (v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at)),
+                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 8)))};
+}
+
 /* Sixteen int8 as floats. */
 static inline v16 v16_from_int8(const int8_t *at) {
     return (v16){floats_of_int8(at), floats_of_int8(at + 8)};

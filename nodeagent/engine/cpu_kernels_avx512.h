@@ -342,6 +342,17 @@ static inline float float_of_fp16(uint16_t h) {
     return _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_cvtph_ps(_mm256_set1_epi16((short)h))));
 }
 
+/* A float as the nearest fp16 value (ties to even). */
+static inline uint16_t fp16_of_float(float x) {
+    __m256i h = _mm512_cvtps_ph(_mm512_set1_ps(x), _MM_FROUND_TO_NEAREST_INT);
+    return (uint16_t)_mm_extract_epi16(_mm256_castsi256_si128(h), 0);
+}
+
+/* Sixteen fp16 values as floats. */
+static inline v16 v16_from_fp16(const uint16_t *at) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+}
+
 /* Sixteen int8 as floats. */
 static inline v16 v16_from_int8(const int8_t *at) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));

@@ -15,7 +15,7 @@ typedef struct {
 typedef struct {
     const layer_weights *layers;
     int n_layers;
-    float *pool;                /* every layer's blocks, `pool_layer` floats a layer */
+    void *pool;                 /* every layer's blocks, `pool_layer` values a layer (fp16 or fp32) */
     long pool_layer;
     attention_call attention;   /* the lanes; q, new_kv, strides, pool and out are set per layer */
     const float *rotary;        /* each row's cos and sin, head_dim floats a row */
@@ -28,7 +28,7 @@ typedef struct {
     float *qkv, *attended, *mid, *gated;
 } layer_rows;
 
-static int stack_layer(const layer_stack *s, const layer_weights *l, float *pool, float *x, const layer_rows *b) {
+static int stack_layer(const layer_stack *s, const layer_weights *l, void *pool, float *x, const layer_rows *b) {
     const attention_call *lanes = &s->attention;
     int m = lanes->batch * lanes->chunk, hd = lanes->head_dim, q_width = lanes->heads * hd;
     int qkv_width = q_width + 2 * lanes->kv_heads * hd;
@@ -60,7 +60,7 @@ int sf_llama_layers(float *x, const layer_stack *s) {
                     malloc(m * s->intermediate * 4)};
     int status = b.qkv && b.attended && b.mid && b.gated ? 0 : -1;
     for (int i = 0; status == 0 && i < s->n_layers; i++)
-        status = stack_layer(s, &s->layers[i], s->pool + i * s->pool_layer, x, &b);
+        status = stack_layer(s, &s->layers[i], (char *)s->pool + i * s->pool_layer * pool_unit(lanes->half), x, &b);
     free(b.qkv), free(b.attended), free(b.mid), free(b.gated);
     return status;
 }

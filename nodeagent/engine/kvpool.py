@@ -200,8 +200,9 @@ class KVPool:
             self._key_of[block] = key
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store kv [N,2,KV,hd] at `slots` [N]."""
+        """Store kv [N,2,KV,hd] at `slots` [N], as the pool's dtype holds it."""
         block, token = slots // BLOCK_TOKENS, slots % BLOCK_TOKENS
+        kv = kv.to(self.kv.dtype)
         _transposed_keys(self.kv[layer, 0])[:, block, :, token] = kv[:, 0]
         self.kv[layer, 1][:, block, token] = kv[:, 1].transpose(0, 1)
 

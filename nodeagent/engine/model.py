@@ -120,6 +120,9 @@ class LlamaModel:
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._stack = _layer_stack(config, layers) if self.dtype == torch.float32 else None
         self.set_context(min(config.max_position_embeddings, 2048))
+        #: What the node's KV pool holds (`TorchDaemon` sets it), so that a cache-free pass
+        #: (`run_causal`) stores its keys and values as a step stores them.
+        self.kv_dtype = self.dtype
 
     @property
     def dtype(self) -> torch.dtype:
@@ -251,11 +254,11 @@ class LlamaModel:
         n, c = x.shape[1], self.config
         positions = torch.arange(n, device=self.device).unsqueeze(0)
         freqs = self.rope(positions)
-        kernels = attending_kernels(self.device, self.dtype, c.head_dim)
+        kernels = attending_kernels(self.device, self.dtype, c.head_dim, self.kv_dtype)
         if kernels is None:
             attend = self._masked_attend(positions)
         else:
-            lane = CausalLane.of(n, c.n_kv_heads, c.head_dim, self.dtype, self.device)
+            lane = CausalLane.of(n, c.n_kv_heads, c.head_dim, self.kv_dtype, self.device)
             stack = self.layer_stack()
             if stack is not None:
                 return _stacked_causal(stack, x, freqs, lane, range(start, end))

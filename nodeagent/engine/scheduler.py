@@ -115,7 +115,7 @@ def forward_batch(
 ) -> torch.Tensor:
     """Runs `batch` through every layer, writing its K/V into `pool`; the hidden state [B,D] at
     each lane's last token. `arange` is 0, 1, 2, ... on the model's device, long enough;
-    `kernels`, `attention_kernels(pool)` as the caller took it at load."""
+    `kernels`, `attention_kernels(model, pool)` as the caller took it at load."""
     width, n_blocks = batch.tokens.shape[1], batch.blocks.shape[1]
     positions = batch.starts[:, None] + arange[:width]
     block_index = (positions // BLOCK_TOKENS).clamp(max=n_blocks - 1)
@@ -157,16 +157,16 @@ def paged_attend(
 
     def attend_copied(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
-        keys, values = pool.read(layer, batch.blocks)
+        keys, values = (part.to(q.dtype) for part in pool.read(layer, batch.blocks))
         return grouped_attention(q, keys, values, mask)
 
     return attend_copied
 
 
-def attention_kernels(pool: KVPool) -> CpuKernels | None:
-    """The CPU kernels where they attend over `pool`: an fp32 pool on the CPU, a head size they
-    take."""
-    return attending_kernels(pool.kv.device, pool.kv.dtype, pool.kv.shape[-1])
+def attention_kernels(model: LlamaModel, pool: KVPool) -> CpuKernels | None:
+    """The CPU kernels where they attend for `model` over `pool`: an fp32 model on the CPU, an
+    fp32 or fp16 pool, a head size they take."""
+    return attending_kernels(pool.kv.device, model.dtype, pool.kv.shape[-1], pool.kv.dtype)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -294,7 +294,7 @@ class Scheduler:
         self.threads = threads
         self.pool = pool
         #: Chosen (and built) here, at load, so a cold compile never runs inside a watched step.
-        self.attention_kernels = attention_kernels(pool)
+        self.attention_kernels = attention_kernels(model, pool)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = prefix_cache

@@ -108,13 +108,14 @@ class TensorParallel:
         return cls(spec, workers, pipes)
 
     def form(self, model: LlamaModel, kv_blocks: int, context: int) -> None:
-        """Once every worker has loaded: gives each its KV pool's size and the context window,
-        forms the group and makes `model` (rank 0's) sum its partial outputs across it.
+        """Once every worker has loaded: gives each its KV pool's size and dtype (`model.kv_dtype`)
+        and the context window, forms the group and makes `model` (rank 0's) sum its partial
+        outputs across it.
         ModelLoadError naming the rank and its device when one could not load."""
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, pipe in enumerate(self.pipes, start=1):
             self._loaded(rank, pipe, deadline)
-            pipe.send((kv_blocks, context))
+            pipe.send((kv_blocks, context, model.kv_dtype))
         _join_group(self.spec, 0)
         model.reduce = all_reduce
 
@@ -226,11 +227,11 @@ def follow(spec: ShardSpec, rank: int, load_shard: LoadShard, pipe: multiprocess
         pipe.send(("failed", f"{type(e).__name__}: {e}"))
         return
     pipe.send(("loaded", model.weight_bytes()))
-    kv_blocks, context = pipe.recv()
+    kv_blocks, context, model.kv_dtype = pipe.recv()
     c = model.config
     model.set_context(context)
-    pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, kv_blocks, model.dtype, model.device)
-    kernels = attention_kernels(pool)  # built before the first step, which rank 0 waits on
+    pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, kv_blocks, model.kv_dtype, model.device)
+    kernels = attention_kernels(model, pool)  # built before the first step, which rank 0 waits on
     _join_group(spec, rank)
     model.reduce = all_reduce
     arange = torch.arange(blocks_for(context) * BLOCK_TOKENS, device=model.device)

@@ -42,6 +42,7 @@ from nodeagent.daemon import (
 )
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_NAME, builtin_model
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, WEIGHTS, WeightFormat
+from nodeagent.engine.cpu_kernels import attending_kernels
 from nodeagent.engine.gguf_file import GGUFSource, load_gguf, projection_bits
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.linear import bound_kernel_caches
@@ -80,6 +81,7 @@ class TorchDaemon(Daemon):
         max_batch: int = 8,
         max_context: int | None = None,
         kv_blocks: int | None = None,
+        kv_dtype: torch.dtype | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         prefix_cache: bool = True,
         quantization: Quantization | None = None,
@@ -89,15 +91,16 @@ class TorchDaemon(Daemon):
         tensor_parallel: TensorParallel | None = None,
     ):
         """`model` is rank 0's shard when `tensor_parallel` holds the other ranks, which this
-        forms into a group once the KV pool's size is known."""
+        forms into a group once the KV pool's size is known. `kv_dtype` None: `default_kv_dtype`."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        model.kv_dtype = kv_dtype if kv_dtype is not None else default_kv_dtype(model)
         self.model = model
         self._name = name
         self.quantization = quantization or Quantization(model.weights, "as built")
         self.max_batch = max_batch
         if kv_blocks is None:
-            kv_blocks = _blocks_in(CPU_KV_BUDGET_MB * 2**20, model)
+            kv_blocks = _blocks_in(CPU_KV_BUDGET_MB * 2**20, model, model.kv_dtype)
         model_max = model.config.max_position_embeddings
         self.context = _context_window(model_max, max_context, kv_blocks)
         if max_context is not None and max_context > model_max:
@@ -117,7 +120,7 @@ class TorchDaemon(Daemon):
             model.config.n_kv_heads,
             model.config.head_dim,
             kv_blocks,
-            model.dtype,
+            model.kv_dtype,
             model.device,
         )
         self._scheduler = Scheduler(
@@ -137,6 +140,7 @@ class TorchDaemon(Daemon):
         max_context: int | None = None,
         kv_budget_mb: int | None = None,
         dtype: str = "auto",
+        kv_dtype: str = "auto",
         weights: str = "auto",
         fast_prefill: bool = False,
         threads: int | None = None,
@@ -170,9 +174,10 @@ class TorchDaemon(Daemon):
             if fast_prefill:
                 quantization = _unpack_prefill(loaded, quantization)
             return_free_memory()
-            blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded)
+            kv = _resolve_kv_dtype(kv_dtype, loaded)
+            blocks = _blocks_in(_kv_budget_bytes(kv_budget_mb, dev), loaded, kv)
             return cls(
-                loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks,
+                loaded, name, max_batch=max_batch, max_context=max_context, kv_blocks=blocks, kv_dtype=kv,
                 quantization=quantization, threads=threads, stall_timeout_ms=stall_timeout_ms, faults=faults,
                 tensor_parallel=group,
             )
@@ -290,11 +295,8 @@ class TorchDaemon(Daemon):
         return self._name
 
     def summary(self) -> str:
-        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-            self.model.dtype, str(self.model.dtype)
-        )
         return (
-            f"runtime torch ({self._name}, {self.model.device.type} {dtype}), context window "
+            f"runtime torch ({self._name}, {self.model.device.type} {_short(self.model.dtype)}), context window "
             f"{self.context} tokens, {self.max_batch} lanes, {self._threads()}{self._memory()}"
         )
 
@@ -309,7 +311,7 @@ class TorchDaemon(Daemon):
         the device has left."""
         pool = self._scheduler.pool
         c = self.model.config
-        block = bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, self.model.dtype)
+        block = bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, self.model.kv_dtype)
         free = _free_bytes(self.model.device)
         ranks = ""
         if self.tensor_parallel is not None:
@@ -322,7 +324,7 @@ class TorchDaemon(Daemon):
         return (
             ranks + f"weights {_mb(self.model.weight_bytes())} {self.quantization.format} "
             f"({self.quantization.reason}), kv pool {pool.total} blocks of 16 tokens "
-            f"({_mb(pool.total * block)}, taken as used{self._attended()}), "
+            f"({_mb(pool.total * block)} {_short(self.model.kv_dtype)}, taken as used{self._attended()}), "
             + ("free memory unknown" if free is None else f"{_mb(free)} free")
         )
 
@@ -474,6 +476,10 @@ def _mb(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.0f} MB"
 
 
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
 def _free_bytes(device: torch.device) -> int | None:
     """Memory still free on `device`: the GPU's, or the host's MemAvailable."""
     if device.type == "cuda":
@@ -546,9 +552,24 @@ def _kv_budget_bytes(kv_budget_mb: int | None, device: torch.device) -> int:
     return CPU_KV_BUDGET_MB * 2**20
 
 
-def _blocks_in(budget_bytes: int, model: LlamaModel) -> int:
+def _blocks_in(budget_bytes: int, model: LlamaModel, kv_dtype: torch.dtype) -> int:
     c = model.config
-    return max(1, budget_bytes // bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype))
+    return max(1, budget_bytes // bytes_per_block(c.n_layers, c.n_kv_heads, c.head_dim, kv_dtype))
+
+
+def default_kv_dtype(model: LlamaModel) -> torch.dtype:
+    """`--kv-dtype auto`: fp16 where the node's CPU kernels attend over it, else the model's
+    dtype (SDPA reads the pool as the model computes)."""
+    kernels = attending_kernels(model.device, model.dtype, model.config.head_dim, torch.float16)
+    return torch.float16 if kernels is not None else model.dtype
+
+
+def _resolve_kv_dtype(kv_dtype: str, model: LlamaModel) -> torch.dtype:
+    if kv_dtype == "auto":
+        return default_kv_dtype(model)
+    if kv_dtype not in DTYPES:
+        raise ModelLoadError(f"unknown KV dtype {kv_dtype!r}; expected one of {', '.join(DTYPES)}")
+    return getattr(torch, kv_dtype)
 
 
 def _context_window(model_max: int, asked: int | None, kv_blocks: int) -> int:

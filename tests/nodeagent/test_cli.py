@@ -122,6 +122,13 @@ def test_fast_prefill_is_an_opt_in_flag():
     assert cli.parse_args(["--model", "builtin", "--fast-prefill"]).fast_prefill is True
 
 
+def test_the_kv_dtype_is_a_flag_with_an_auto_default():
+    assert cli.parse_args(["--model", "builtin"]).kv_dtype == "auto"
+    assert cli.parse_args(["--model", "builtin", "--kv-dtype", "float32"]).kv_dtype == "float32"
+    with pytest.raises(cli.UsageError, match=r"--kv-dtype takes auto or float32 or bfloat16 or float16, got 'fp8'"):
+        cli.parse_args(["--model", "builtin", "--kv-dtype", "fp8"])
+
+
 def test_cuda_n_is_a_device_the_command_line_takes():
     assert cli.parse_args(["--model", "builtin", "--device", "cuda:1"]).device == "cuda:1"
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from nodeagent.engine import cpu_kernels
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for
-from nodeagent.engine.scheduler import attention_kernels
+from nodeagent.engine.cpu_kernels import attending_kernels
 
 #: fp32 sums of a few hundred terms against float64's.
 TOLERANCE = 1e-5
@@ -77,18 +77,23 @@ def _step(kernels, pool: KVPool, lanes: list[Lane], starts: list[int], counts: l
                              torch.tensor(counts), window)
 
 
-def _exact(lane: Lane, position: int, window: int) -> torch.Tensor:
-    """The attention output [H*hd] of `lane`'s row at `position`, in float64."""
+def _exact(lane: Lane, position: int, window: int, stored: torch.dtype = torch.float32) -> torch.Tensor:
+    """The attention output [H*hd] of `lane`'s row at `position`, in float64, with its keys and
+    values as a pool of `stored` holds them."""
     first = max(0, position - window + 1) if window else 0
     heads, head_dim = lane.q.shape[1:]
     q = lane.q[position].double().view(KV_HEADS, heads // KV_HEADS, head_dim)
-    keys, values = (lane.kv[first : position + 1, i].double().transpose(0, 1) for i in range(2))
+    keys, values = (lane.kv[first : position + 1, i].to(stored).double().transpose(0, 1) for i in range(2))
     weights = torch.softmax(q @ keys.transpose(1, 2) / head_dim**0.5, dim=-1)
     return (weights @ values).reshape(-1)
 
 
-def _pool(head_dim: int, n_blocks: int = 24) -> KVPool:
-    pool = KVPool(1, KV_HEADS, head_dim, n_blocks, torch.float32, torch.device("cpu"))
+#: What the kernel's pool may hold.
+STORED = [torch.float32, torch.float16]
+
+
+def _pool(head_dim: int, n_blocks: int = 24, dtype: torch.dtype = torch.float32) -> KVPool:
+    pool = KVPool(1, KV_HEADS, head_dim, n_blocks, dtype, torch.device("cpu"))
     pool.kv.fill_(float("nan"))
     pool.zero(list(range(n_blocks + 1)))
     return pool
@@ -100,6 +105,7 @@ def _store_context(pool: KVPool, lane: Lane, until: int) -> None:
         pool.write(0, torch.tensor(_slots(lane, range(until))), lane.kv[:until])
 
 
+@pytest.mark.parametrize("stored", STORED)
 @pytest.mark.parametrize("build", [build.name for build in cpu_kernels.BUILDS])
 @settings(max_examples=25, deadline=None)
 @given(
@@ -109,9 +115,11 @@ def _store_context(pool: KVPool, lane: Lane, until: int) -> None:
     window=st.sampled_from([0, 1, 17, 50]),
     seed=st.integers(0, 2**16),
 )
-def test_each_row_attends_exactly_to_its_own_lanes_keys(build, group, head_dim, shapes, window, seed):
+def test_each_row_attends_exactly_to_its_own_lanes_keys(build, stored, group, head_dim, shapes, window, seed):
+    """Against float64 over the keys and values as the pool holds them (an fp16 pool rounds the
+    step's new ones as the torch path's writes round the context's)."""
     kernels = _kernels(build)
-    pool = _pool(head_dim)
+    pool = _pool(head_dim, dtype=stored)
     lanes = _lanes(pool, [start + count for start, count in shapes], group, head_dim, seed)
     for lane, (start, _) in zip(lanes, shapes, strict=True):
         _store_context(pool, lane, start)
@@ -119,7 +127,7 @@ def test_each_row_attends_exactly_to_its_own_lanes_keys(build, group, head_dim, 
     out = _step(kernels, pool, lanes, starts, counts, window)
     for b, (lane, start, count) in enumerate(zip(lanes, starts, counts, strict=True)):
         for i in range(count):
-            want = _exact(lane, start + i, window)
+            want = _exact(lane, start + i, window, stored)
             assert float((out[b, i].double() - want).abs().max()) < TOLERANCE * max(1.0, float(want.abs().max()))
         assert not out[b, count:].any(), "padding rows give 0"
 
@@ -130,13 +138,14 @@ def test_each_row_attends_exactly_to_its_own_lanes_keys(build, group, head_dim, 
     other=st.integers(1, 30),
     window=st.sampled_from([0, 23]),
     seed=st.integers(0, 2**16),
+    stored=st.sampled_from(STORED),
 )
-def test_a_row_gives_the_same_bits_whichever_chunk_and_batch_compute_it(cuts, other, window, seed):
+def test_a_row_gives_the_same_bits_whichever_chunk_and_batch_compute_it(cuts, other, window, seed, stored):
     """A prompt prefilled at once, or in chunks beside another lane, down to one token a step:
     each row's output is the same to the bit, so decoding after a prefill (or a preemption's
     recompute, or a prefix-cache hit) goes on exactly as one pass would."""
     kernels = _kernels()
-    pool = _pool(64)
+    pool = _pool(64, dtype=stored)
     lane, neighbour = _lanes(pool, [80, other], 3, 64, seed)
     whole = _step(kernels, pool, [lane], [0], [80], window)[0]
     pool.zero(list(range(pool.total)))
@@ -148,13 +157,14 @@ def test_a_row_gives_the_same_bits_whichever_chunk_and_batch_compute_it(cuts, ot
     assert torch.equal(torch.cat(pieces), whole)
 
 
+@pytest.mark.parametrize("stored", STORED)
 @pytest.mark.parametrize("build", [build.name for build in cpu_kernels.BUILDS])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
-def test_a_decode_steps_narrow_tile_gives_the_bits_of_a_prefills_wide_one(build, group):
+def test_a_decode_steps_narrow_tile_gives_the_bits_of_a_prefills_wide_one(build, group, stored):
     """A step of one token a lane has only its G heads' rows, which take the kernel's narrow
     tile where G is at most half a tile; a prefill's rows take the wide one."""
     kernels = _kernels(build)
-    pool = _pool(64)
+    pool = _pool(64, dtype=stored)
     lane, neighbour = _lanes(pool, [37, 37], group, 64, seed=group)
     whole = _step(kernels, pool, [lane], [0], [37], 0)[0]
     pool.zero(list(range(pool.total)))
@@ -172,45 +182,62 @@ def test_the_kernel_refuses_a_pool_laid_out_otherwise():
                           torch.tensor([lane.blocks]), torch.tensor([0]), torch.tensor([3]), 0)
 
 
-def test_the_avx512_and_avx2_builds_give_the_same_bits():
+@pytest.mark.parametrize("stored", STORED)
+def test_the_avx512_and_avx2_builds_give_the_same_bits(stored):
     builds = [_kernels(build.name) for build in cpu_kernels.BUILDS]
     outputs = []
     for kernels in builds:
-        pool = _pool(64)
+        pool = _pool(64, dtype=stored)
         lanes = _lanes(pool, [70, 33], 4, 64, seed=5)
         _store_context(pool, lanes[1], 20)
         outputs.append(_step(kernels, pool, lanes, [0, 20], [70, 13], 0))
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_the_torch_path_reads_back_what_it_wrote_in_token_order():
-    pool = _pool(32)
+@pytest.mark.parametrize("stored", STORED)
+def test_the_torch_path_reads_back_what_it_wrote_in_token_order(stored):
+    pool = _pool(32, dtype=stored)
     lane = _lanes(pool, [40], 1, 32, seed=3)[0]
     _store_context(pool, lane, 40)
     keys, values = pool.read(0, torch.tensor([lane.blocks]))
-    assert torch.equal(keys[0, :, :40], lane.kv[:, 0].transpose(0, 1))
-    assert torch.equal(values[0, :, :40], lane.kv[:, 1].transpose(0, 1))
+    assert torch.equal(keys[0, :, :40], lane.kv[:, 0].transpose(0, 1).to(stored))
+    assert torch.equal(values[0, :, :40], lane.kv[:, 1].transpose(0, 1).to(stored))
+
+
+def test_an_fp16_pool_holds_what_the_torch_path_would_have_written():
+    """The kernel rounds a step's new keys and values to fp16 as torch does (to nearest, ties to
+    even), so a pool written by either path holds the same bits."""
+    kernels = _kernels()
+    by_kernel, by_torch = _pool(64, dtype=torch.float16), _pool(64, dtype=torch.float16)
+    lane = _lanes(by_kernel, [40], 3, 64, seed=9)[0]
+    lane.kv[0, 0, 0, :4] = torch.tensor([65504.0, 1e-8, 2.0**-24 * 1.5, 1.0 + 2.0**-11])  # edges and a tie
+    _step(kernels, by_kernel, [lane], [0], [40], 0)
+    _store_context(by_torch, lane, 40)
+    assert torch.equal(by_kernel.kv, by_torch.kv)
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "dtype", "kernels_env", "in_place"),
+    ("head_dim", "model_dtype", "dtype", "kernels_env", "in_place"),
     [
-        (64, torch.float32, "1", True),
-        (8, torch.float32, "1", False),
-        (272, torch.float32, "1", False),
-        (64, torch.bfloat16, "1", False),
-        (64, torch.float32, "0", False),
+        (64, torch.float32, torch.float32, "1", True),
+        (64, torch.float32, torch.float16, "1", True),
+        (8, torch.float32, torch.float32, "1", False),
+        (272, torch.float32, torch.float32, "1", False),
+        (64, torch.float32, torch.bfloat16, "1", False),
+        (64, torch.float16, torch.float16, "1", False),
+        (64, torch.float32, torch.float32, "0", False),
     ],
 )
-def test_the_kernel_attends_where_it_takes_the_pool_else_sdpa_does(head_dim, dtype, kernels_env, in_place,
-                                                                   monkeypatch):
+def test_the_kernel_attends_where_it_takes_the_pool_else_sdpa_does(head_dim, model_dtype, dtype, kernels_env,
+                                                                   in_place, monkeypatch):
+    """An fp32 model on the CPU over an fp32 or fp16 pool; its queries and new keys are fp32."""
     monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", kernels_env)
     cpu_kernels.cpu_kernels.cache_clear()
     try:
         if in_place:
             _kernels()
         pool = KVPool(1, KV_HEADS, head_dim, 2, dtype, torch.device("cpu"))
-        assert (attention_kernels(pool) is not None) == in_place
+        assert (attending_kernels(pool.kv.device, model_dtype, head_dim, pool.kv.dtype) is not None) == in_place
     finally:
         cpu_kernels.cpu_kernels.cache_clear()
 

@@ -49,12 +49,15 @@ def test_builtin_daemon_describes_itself_and_generates(builtin):
     assert builtin.max_stream_tokens() == 2048
     described = re.fullmatch(
         r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, (\d+) CPU threads?, "
-        r"weights 69 MB float \(a float checkpoint\), kv pool 409 blocks of 16 tokens \(64 MB, taken as used"
-        r"(, attended in place on the node's (AVX2|AVX-512 VNNI) kernels)?\), \d+ MB free",
+        r"weights 69 MB float \(a float checkpoint\), kv pool (\d+) blocks of 16 tokens \(64 MB (fp16|fp32), "
+        r"taken as used(, attended in place on the node's (AVX2|AVX-512 VNNI) kernels)?\), \d+ MB free",
         builtin.summary(),
     )
     assert int(described.group(1)) == torch.get_num_threads()
-    assert (described.group(2) is not None) == (cpu_kernels() is not None)
+    attended = described.group(4) is not None
+    assert attended == (cpu_kernels() is not None)
+    # The pool holds fp16 where the kernels attend: twice the blocks in the same budget.
+    assert (described.group(2), described.group(3)) == (("819", "fp16") if attended else ("409", "fp32"))
     tokens = greedy(builtin, [1, 450, 4996, 17354], 8)
     assert len(tokens) == 8 and all(0 <= t < 32000 for t in tokens)
     assert greedy(builtin, [1, 450, 4996, 17354], 8) == tokens

@@ -34,8 +34,10 @@ def make(tensors):
     daemons = []
 
     def build(kv_blocks: int, **kwargs) -> TorchDaemon:
+        """An fp32 pool unless told otherwise: the reference computes in float64, and an fp16
+        pool's rounding would flip its near-ties."""
         model = LlamaModel.from_source(TINY, DictSource(tensors), torch.float32, torch.device("cpu"))
-        daemons.append(TorchDaemon(model, "tiny", kv_blocks=kv_blocks, **kwargs))
+        daemons.append(TorchDaemon(model, "tiny", kv_blocks=kv_blocks, **{"kv_dtype": torch.float32, **kwargs}))
         return daemons[-1]
 
     yield build
@@ -83,6 +85,20 @@ def test_a_pool_for_two_worst_cases_runs_eight_long_generations_token_exact(make
     assert daemon._scheduler.preemptions > 0, "the pool should have run dry"
     assert wait_until(lambda: daemon.sched_stats().pool_blocks_used == 0)
     assert daemon.sched_stats().lanes_active == 0
+
+
+def test_an_fp16_pool_gives_each_of_eight_preempted_generations_the_tokens_it_gets_alone(make):
+    """What `--kv-dtype auto` picks where the node's CPU kernels attend: each key and value is
+    rounded once, when stored, and read back the same in any batch, chunk or recompute."""
+    alone = make(kv_blocks=256, max_batch=1, kv_dtype=torch.float16)
+    if alone._scheduler.attention_kernels is None:
+        pytest.skip("the node's CPU kernels do not attend here")
+    want = [run(alone, p, LONG).tokens for p in PROMPTS]
+    tight = make(kv_blocks=2 * WORST_CASE_BLOCKS, max_batch=8, prefill_chunk=64, kv_dtype=torch.float16)
+    results = in_threads(len(PROMPTS), lambda i: run(tight, PROMPTS[i], LONG))
+    assert tight._scheduler.preemptions > 0, "the pool should have run dry"
+    assert [r.tokens for r in results] == want
+    assert tight._scheduler.pool.kv.dtype == torch.float16
 
 
 def test_seeded_sampling_survives_preemption(make):

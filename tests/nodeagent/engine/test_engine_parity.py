@@ -118,8 +118,9 @@ def variant(request):
 
 
 def make_daemon(config: ModelConfig, tensors: dict, max_batch: int, **kwargs) -> TorchDaemon:
+    """An fp32 pool unless told otherwise, as the float64 reference needs for token parity."""
     model = LlamaModel.from_source(config, DictSource(tensors), torch.float32, torch.device("cpu"))
-    return TorchDaemon(model, "tiny", max_batch=max_batch, kv_blocks=256, **kwargs)
+    return TorchDaemon(model, "tiny", max_batch=max_batch, kv_blocks=256, **{"kv_dtype": torch.float32, **kwargs})
 
 
 def generate_all(daemon: TorchDaemon, prompts: list[list[int]]) -> list[list[int]]:

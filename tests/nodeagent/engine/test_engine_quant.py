@@ -116,7 +116,7 @@ def _steps(model: LlamaModel, stacked: bool, monkeypatch) -> tuple[list[torch.Te
     with torch.inference_mode():
         for tokens, counts, starts, table in steps:
             batch = Batch(tokens, counts, starts, table, torch.tensor([], dtype=torch.long))
-            out.append(forward_batch(model, pool, arange, batch, attention_kernels(pool)))
+            out.append(forward_batch(model, pool, arange, batch, attention_kernels(model, pool)))
     monkeypatch.undo()
     return out, pool.kv.clone()
 
@@ -146,7 +146,7 @@ def _prefill_of(model: LlamaModel, tokens: torch.Tensor) -> torch.Tensor:
     pool.zero(list(range(5)))  # as the scheduler hands blocks out: a key past a row's own is 0, not garbage
     batch = Batch(tokens, torch.tensor([n]), torch.tensor([0]), torch.tensor([[0, 1, 2]]), torch.tensor([]))
     with torch.inference_mode():
-        return forward_batch(model, pool, torch.arange(64), batch, attention_kernels(pool))
+        return forward_batch(model, pool, torch.arange(64), batch, attention_kernels(model, pool))
 
 
 @pytest.mark.parametrize("weights", [WeightFormat.INT4, WeightFormat.INT8])
