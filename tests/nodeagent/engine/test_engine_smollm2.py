@@ -220,6 +220,9 @@ def test_quantized_weights_agree_with_the_float_engine_on_the_same_file(forced, 
         model, forced = q8_0_model(WeightFormat(fmt)), request.getfixturevalue("q8_0_forced")
     else:
         model = load_gguf(alias_path(ALIASES[ALIAS]), torch.float32, torch.device("cpu"), WeightFormat(fmt))
+    from nodeagent.engine.torch_engine import default_kv_dtype
+
+    model.kv_dtype = default_kv_dtype(model)  # as the node serves it: fp16 where the kernels attend
     if fast_prefill and not model.unpack_prefill():
         pytest.skip("no int4 projection unpacks here")
     same = positions = 0
