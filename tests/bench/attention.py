@@ -3,10 +3,11 @@
 A decode step attends each lane's one new row to every key and value its context holds, so past
 a few hundred tokens of context a step's attention is bound by reading the KV pool. This times
 one step's attention over SmolLM2-135M's 30 layers (9 query heads, 3 KV heads of 64) on the
-node's CPU kernels, for 1 and 8 lanes at several context lengths, with the pool's blocks handed
-out by `KVPool` as the scheduler takes them. Each row prints the median step, the pool bytes
-it reads, and that rate against this machine's stream bandwidth (a torch `sum` over 1 GB on
-the same threads: what reading memory once costs here).
+node's CPU kernels, for 1 and 8 lanes at several context lengths, over an fp32 pool and an fp16
+one (`--kv-dtype auto` where the kernels attend), with the pool's blocks handed out by `KVPool`
+as the scheduler takes them. Each row prints the median step, the pool bytes it reads, and that
+rate against this machine's stream bandwidth (a torch `sum` over 1 GB on the same threads: what
+reading memory once costs here).
 
 Target: at contexts of 2,048 tokens or more, attention reads at ≥ `TARGET` of the stream
 bandwidth. Exits 1 when a row misses it, 2 where the node's CPU kernels do not run.
@@ -51,12 +52,12 @@ def _timed(run) -> float:
     return time.perf_counter() - began
 
 
-def attention_step_s(context: int, lanes: int) -> float:
+def attention_step_s(context: int, lanes: int, dtype: torch.dtype) -> float:
     """Median seconds of one decode step's attention over every layer: each lane's row at
-    position `context` attends to its `context` + 1 keys."""
+    position `context` attends to its `context` + 1 keys in a pool of `dtype`."""
     kernels = cpu_kernels()
     per_lane = blocks_for(context + 1)
-    pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, lanes * per_lane, torch.float32, torch.device("cpu"))
+    pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, lanes * per_lane, dtype, torch.device("cpu"))
     tables = [pool.allocate(per_lane) for _ in range(lanes)]
     pool.kv.normal_()
     blocks = torch.tensor(tables)
@@ -81,18 +82,21 @@ def main() -> int:
     bandwidth = stream_gb_s()
     print(f"decode-step attention on the node's CPU kernels ({cpu_kernels().name}), {torch.get_num_threads()}"
           f" threads; stream bandwidth {bandwidth:.1f} GB/s")
-    print(f"  {'context':>7} {'lanes':>5} {'step':>9} {'KV read':>9} {'rate':>10} {'of stream':>9}  target")
+    print(f"  {'pool':>5} {'context':>7} {'lanes':>5} {'step':>9} {'KV read':>9} {'rate':>10} {'of stream':>9}"
+          "  target")
     missed = []
-    for context in contexts:
-        for lanes in LANES:
-            took = attention_step_s(context, lanes)
-            read = lanes * (context + 1) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
-            share = read / took / 1e9 / bandwidth
-            target = f"≥ {TARGET} {'ok' if share >= TARGET else 'MISSED'}" if context >= LONG else "-"
-            if context >= LONG and share < TARGET:
-                missed.append(f"{context} tokens, {lanes} lanes")
-            print(f"  {context:7d} {lanes:5d} {took * 1e3:7.2f}ms {read / 1e6:7.1f}MB {read / took / 1e9:6.1f}GB/s"
-                  f" {share:9.2f}  {target}")
+    for dtype in (torch.float32, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        for context in contexts:
+            for lanes in LANES:
+                took = attention_step_s(context, lanes, dtype)
+                read = lanes * (context + 1) * LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
+                share = read / took / 1e9 / bandwidth
+                target = f"≥ {TARGET} {'ok' if share >= TARGET else 'MISSED'}" if context >= LONG else "-"
+                if context >= LONG and share < TARGET:
+                    missed.append(f"{name}, {context} tokens, {lanes} lanes")
+                print(f"  {name[5:]:>5} {context:7d} {lanes:5d} {took * 1e3:7.2f}ms {read / 1e6:7.1f}MB"
+                      f" {read / took / 1e9:6.1f}GB/s {share:9.2f}  {target}")
     for m in missed:
         print(f"MISSED: {m}")
     return 1 if missed else 0
