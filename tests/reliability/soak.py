@@ -41,7 +41,7 @@ STAGE_SHARE, ABANDON_SHARE = 0.15, 0.1
 #: How far the node's RSS floor may grow from the second quarter of a soak to the last.
 GROWTH_BOUND = 4 * 2**20
 #: At most this long between two samples of the node's RSS and threads.
-SAMPLE_S = 15.0
+SAMPLE_S = 3.0
 #: How long a head waits for one generation before it counts it missing.
 GENERATION_TIMEOUT = 60.0
 
