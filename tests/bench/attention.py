@@ -86,7 +86,7 @@ def main() -> int:
           "  target")
     missed = []
     for dtype in (torch.float32, torch.float16):
-        name = str(dtype).removeprefix("torch.")
+        name = f"fp{dtype.itemsize * 8}"
         for context in contexts:
             for lanes in LANES:
                 took = attention_step_s(context, lanes, dtype)
@@ -95,7 +95,7 @@ def main() -> int:
                 target = f"≥ {TARGET} {'ok' if share >= TARGET else 'MISSED'}" if context >= LONG else "-"
                 if context >= LONG and share < TARGET:
                     missed.append(f"{name}, {context} tokens, {lanes} lanes")
-                print(f"  {name[5:]:>5} {context:7d} {lanes:5d} {took * 1e3:7.2f}ms {read / 1e6:7.1f}MB"
+                print(f"  {name:>5} {context:7d} {lanes:5d} {took * 1e3:7.2f}ms {read / 1e6:7.1f}MB"
                       f" {read / took / 1e9:6.1f}GB/s {share:9.2f}  {target}")
     for m in missed:
         print(f"MISSED: {m}")

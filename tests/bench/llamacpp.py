@@ -14,8 +14,8 @@ Rows, prompt 128 tokens, 64 new tokens, greedy:
   with the context (on a 1B file the peer's own prefill of that context would take minutes a
   trial);
 - prefill tokens/s (target ≥ 3× on SmolLM2, the issue's; reported on the 1B files, whose
-  larger products llama.cpp runs near its arithmetic's pace): the median over `ROUNDS` rounds, each llama-bench's prefill
-  then ours right after it, with the rounds' range of ratios (the machine's pace drifts
+  larger products llama.cpp runs near its arithmetic's pace): the median over `ROUNDS` rounds,
+  each llama-bench's prefill then ours right after it, with the rounds' range of ratios (the machine's pace drifts
   between one tool's run and the other's); on int4 weights also with `--fast-prefill` (a
   second node; its tokens may depend on batching, docs/engines.md), where the flag takes (on
   the node's CPU kernels it has nothing to do, and the row would time the same engine again);
@@ -148,14 +148,11 @@ def _run_measured(cmd: list[str]) -> tuple[str, float]:
     return out, usage.ru_maxrss / 1024
 
 
-def _thread_counts() -> list[int]:
-    return sorted({1, os.cpu_count() or 1})
-
-
 def llama_cpp_figures(bin_dir: Path, model: Path, deep: bool) -> Figures:
     """The better of 1 and all CPU threads for each figure, as the issue's table took them."""
+    threads = sorted({1, os.cpu_count() or 1})
     best = Figures(0, 0, 0, 0)
-    for t in _thread_counts():
+    for t in threads:
         if deep:
             out, _ = _run_measured([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(NEW),
                                     "-d", str(DEPTH), "-t", str(t), "-r", str(TRIALS), "-o", "json"])
@@ -291,9 +288,8 @@ def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, aga
             smollm2: bool = False) -> list[str]:
     """The table for `model`; the misses. SmolLM2's adds the long-context decode row, and only its
     prefill is held to 3x (the issue's target; on the 1B files the row is reported)."""
-    deep = smollm2
-    peer = llama_cpp_figures(bin_dir, model, deep)
-    ours = node_figures(model, home, lambda: llama_cpp_prefill(bin_dir, model, peer.prefill_threads), deep)
+    peer = llama_cpp_figures(bin_dir, model, smollm2)
+    ours = node_figures(model, home, lambda: llama_cpp_prefill(bin_dir, model, peer.prefill_threads), smollm2)
     beyond = ours.rss_mb - bare
     theirs_prefill = statistics.median(theirs for theirs, _ in ours.prefill_rounds)
     ratios = ours.prefill_ratios()
@@ -301,7 +297,7 @@ def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, aga
         ("decode, one sequence (tok/s)", peer.decode_1, ours.decode_1, ours.decode_1 / peer.decode_1, 0.5),
         (f"decode, {LANES} sequences (sum, tok/s)", peer.decode_8, ours.decode_8, ours.decode_8 / peer.decode_8, 1.0),
         *([(f"decode, one sequence at {DEPTH} (tok/s)", peer.decode_deep, ours.decode_deep,
-            ours.decode_deep / peer.decode_deep, 0.5)] if deep else []),
+            ours.decode_deep / peer.decode_deep, 0.5)] if smollm2 else []),
         (f"prefill, median of {ROUNDS} rounds (tok/s)", theirs_prefill, ours.prefill, statistics.median(ratios),
          3.0 if smollm2 else None),
     ]
