@@ -111,7 +111,8 @@ def write_gguf(
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
-    from nodeagent.engine.gguf_file import ARCHITECTURES, gguf_name
+    from nodeagent.engine.families.registry import by_architecture
+    from nodeagent.engine.gguf_file import gguf_name
 
     path = Path(path)
     writer = GGUFWriter(str(path), arch)
@@ -123,7 +124,7 @@ def write_gguf(
             writer.add_tensor(gguf_name(name), tensor.blocks, raw_dtype=GGMLQuantizationType(tensor.qtype))
             continue
         values = tensor.float().numpy()
-        if ARCHITECTURES[arch] and (".q_proj." in name or ".k_proj." in name):
+        if arch in by_architecture(arch).permuted_architectures and (".q_proj." in name or ".k_proj." in name):
             values = permute_rotary_rows(values, config.n_heads if ".q_proj." in name else config.n_kv_heads)
         qtype = GGMLQuantizationType((types or {}).get(name, GGMLQuantizationType.F32))
         if qtype == GGMLQuantizationType.F32:

@@ -10,6 +10,7 @@ model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -18,38 +19,23 @@ import torch
 
 from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.choices import WeightFormat
-from nodeagent.engine.loader import Progress, check_config, checked, refuse_unused
+from nodeagent.engine.families import registry
+from nodeagent.engine.families.base import (
+    GGUF_GLOBAL_NAMES,
+    GGUF_LAYER_NAMES,
+    Family,
+    check_config,
+    gguf_rope_scaling,
+)
+from nodeagent.engine.loader import Progress, checked, refuse_unused
 from nodeagent.engine.model import LlamaModel, ModelConfig
 from nodeagent.engine.shard import Shard, sharded
 from nodeagent.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_header
 
-#: GGUF architectures whose tensors and maths are our decoder's, and whether llama.cpp's
-#: converter permuted their q/k rows (it does so for Llama only).
-ARCHITECTURES = {"llama": True, "qwen2": False}
-
-#: Hugging Face tensor name for each GGUF tensor name; `{i}` is the layer.
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_GGUF = {hf: short for short, hf in _LAYER_NAMES.items()}
-_GLOBAL_GGUF = {hf: short for short, hf in _GLOBAL_NAMES.items()}
+_LAYER_GGUF = {engine: short for short, engine in GGUF_LAYER_NAMES.items()}
+_GLOBAL_GGUF = {engine: short for short, engine in GGUF_GLOBAL_NAMES.items()}
+#: Small tensors that hold rope divisors rather than weights (`Family.gguf_rope_factors`).
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 
 
 #: Bits per weight of the quantized ggml types, by the precision they keep: 4 for the 4-bit and
@@ -72,7 +58,8 @@ def load_gguf(
     ModelLoadError on any problem."""
     source = GGUFSource(Path(path))
     try:
-        local, reader = sharded(source.config, source, shard, Path(path).name)
+        tensors = source.family.source(source, source.config, hf=False)
+        local, reader = sharded(source.config, tensors, shard, Path(path).name)
         model = LlamaModel.from_source(local, reader, dtype, device, weights)
         refuse_unused(str(path), source.names(), source.used, source.config)
         return model
@@ -115,14 +102,14 @@ class GGUFSource:
         self._data_offset = header.data_offset
         self._map = np.memmap(path, mode="r")
         self.arch = metadata(self._metadata, "general.architecture", str)
-        if self.arch not in ARCHITECTURES:
-            raise ModelLoadError(
-                f"{path}: GGUF architecture {self.arch!r} is not a decoder this engine runs "
-                f"(supported: {', '.join(ARCHITECTURES)})"
-            )
-        self.config = config_from_gguf(self._metadata, self.arch, self._tensors)
+        try:
+            self.family = registry.by_architecture(self.arch)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
         self.used: set[str] = set()
         self._progress = Progress(len(self._tensors))
+        vectors = {name: tuple(self.get(name, (-1,)).tolist()) for name in ROPE_TENSORS if name in self._tensors}
+        self.config = config_from_gguf(self._metadata, self.family, self.arch, self._tensors, vectors)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -134,8 +121,9 @@ class GGUFSource:
         if name not in self._tensors:
             raise ModelLoadError(f"{self.path} lacks tensor {gguf_name(name)!r}")
         info = self._tensors[name]
-        values = checked(info.name, torch.from_numpy(self._dequantized(info)), shape)
-        if ARCHITECTURES[self.arch] and (".q_proj." in name or ".k_proj." in name):
+        values = torch.from_numpy(self._dequantized(info))
+        values = checked(info.name, values, tuple(values.shape) if shape == (-1,) else shape)
+        if self.arch in self.family.permuted_architectures and (".q_proj." in name or ".k_proj." in name):
             heads = self.config.n_heads if ".q_proj." in name else self.config.n_kv_heads
             values = unpermute_rotary_rows(values, heads)
         self.used.add(name)
@@ -185,11 +173,12 @@ def unpermute_rotary_rows(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _hf_name(name: str) -> str:
+    """The engine's name for a GGUF tensor name (`families.base`'s names)."""
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-    return _GLOBAL_NAMES.get(name, name)
+        if rest in GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{GGUF_LAYER_NAMES[rest]}"
+    return GGUF_GLOBAL_NAMES.get(name, name)
 
 
 def gguf_name(hf_name: str) -> str:
@@ -215,26 +204,26 @@ def metadata(fields: dict, key: str, kind: type, default=None):
     return value
 
 
-def config_from_gguf(fields: dict, arch: str, tensors: dict) -> ModelConfig:
-    """The engine's config from `{arch}.*` metadata; tied output when there is no output.weight."""
+def config_from_gguf(fields: dict, family: Family, arch: str, tensors: dict,
+                     vectors: dict[str, tuple[float, ...]]) -> ModelConfig:
+    """The engine's config from `{arch}.*` metadata, the family's maths read by the family;
+    tied output when there is no output.weight. `vectors`: the file's rope tensors."""
 
     def get(key: str, kind: type, default=None):
         return metadata(fields, f"{arch}.{key}", kind, default)
 
     if get("expert_count", int, 0) > 0:
-        raise ModelLoadError(f"GGUF {arch} with experts (mixture of experts) is not supported")
-    if "rope_freqs.weight" in tensors:
-        raise ModelLoadError("GGUF tensor rope_freqs.weight (per-frequency rope factors) is not supported")
+        raise ModelLoadError(f"GGUF {arch} with experts (a mixture of experts) is not a decoder this engine runs; "
+                             f"it runs: {registry.supported()}")
     hidden = get("embedding_length", int)
     n_heads = get("attention.head_count", int)
     head_dim = get("attention.key_length", int, hidden // n_heads)
     if get("attention.value_length", int, head_dim) != head_dim:
         raise ModelLoadError(f"GGUF {arch}: key and value head sizes differ")
-    if get("rope.dimension_count", int, head_dim) != head_dim:
-        raise ModelLoadError(f"GGUF {arch}: rotary positions on part of each head are not supported")
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise ModelLoadError("GGUF file lacks tensor 'token_embd.weight'")
+    factors = family.gguf_rope_factors(get, vectors)
     config = ModelConfig(
         vocab_size=int(embed.shape[-1]),
         hidden_size=hidden,
@@ -245,25 +234,18 @@ def config_from_gguf(fields: dict, arch: str, tensors: dict) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-6),
         rope_theta=get("rope.freq_base", float, 10000.0),
-        rope_scaling=_rope_scaling(get),
+        rope_scaling=None if factors is not None else gguf_rope_scaling(get),
+        rope_factors=factors,
         max_position_embeddings=get("context_length", int, 2048),
         tie_word_embeddings="lm_head.weight" not in tensors,
         eos_token_ids=_end_tokens(fields),
         sliding_window=get("attention.sliding_window", int, 0) or None,
     )
+    config = dataclasses.replace(config, spec=family.spec_from_gguf(get, config, tensors))
+    if get("rope.dimension_count", int, head_dim) != config.rotary_dim:
+        raise ModelLoadError(f"GGUF {arch}: rope.dimension_count differs from the rotary share of a head")
     check_config(config, f"GGUF {arch}")
     return config
-
-
-def _rope_scaling(get) -> dict | None:
-    kind = get("rope.scaling.type", str, "none")
-    if kind == "none":
-        return None
-    scaling = {"rope_type": kind, "factor": get("rope.scaling.factor", float, 1.0)}
-    original = get("rope.scaling.original_context_length", int, 0)
-    if original:
-        scaling["original_max_position_embeddings"] = original
-    return scaling
 
 
 def _end_tokens(fields: dict) -> tuple[int, ...]:

@@ -17,24 +17,12 @@ from safetensors import safe_open
 
 from nodeagent.daemon import ModelLoadError
 from nodeagent.engine.choices import WeightFormat
+from nodeagent.engine.families import registry
+from nodeagent.engine.families.base import ids
 from nodeagent.engine.model import LlamaModel, ModelConfig
-from nodeagent.engine.rope import RopeScalingError, inv_frequencies
 from nodeagent.engine.shard import Shard, sharded
 
 INDEX_FILE = "model.safetensors.index.json"
-#: Decoders whose tensors and maths are exactly Llama's (Qwen2 adds q/k/v biases).
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-REQUIRED_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
-
-
-#: What a Llama-family MLP computes; other activations would give wrong outputs silently.
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
 #: Tensors a checkpoint may carry that change nothing: rotary tables the model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -51,10 +39,12 @@ def load_model(
     directory = Path(path)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {str(directory)!r} does not exist")
-    config = read_config(directory)
+    raw = _read_json(directory / "config.json")
+    family = registry.by_model_type(raw.get("model_type", "llama"))
+    config = family.config_from_hf(raw, _generation_eos(directory))
     source = SafetensorsSource(directory)
     try:
-        local, reader = sharded(config, source, shard, directory.name)
+        local, reader = sharded(config, family.source(source, config, hf=True), shard, directory.name)
         model = LlamaModel.from_source(local, reader, dtype, device, weights)
         refuse_unused(str(directory), source.names(), source.used, config)
         return model
@@ -80,95 +70,8 @@ def refuse_unused(where: str, names: set[str], used: set[str], config: ModelConf
 
 
 def config_from_hf(raw: dict, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
-    """The engine's config from a Hugging Face `config.json` (Llama, Qwen2, Mistral names)."""
-    model_type = raw.get("model_type", "llama")
-    if model_type not in LLAMA_FAMILY:
-        raise ModelLoadError(
-            f"config.json: model_type {model_type!r} is not a decoder this engine runs "
-            f"(supported: {', '.join(LLAMA_FAMILY)})"
-        )
-    missing = [key for key in REQUIRED_KEYS if key not in raw]
-    if missing:
-        raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
-    _check_mlp(raw)
-    rope = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    n_heads = int(raw["num_attention_heads"])
-    head_dim = raw.get("head_dim") or int(raw["hidden_size"]) // n_heads
-    config = ModelConfig(
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        n_layers=int(raw["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_ids=tuple(sorted(set(_ids(raw.get("eos_token_id"))) | set(extra_eos))),
-        sliding_window=_sliding_window(raw),
-    )
-    check_config(config)
-    return config
-
-
-def _sliding_window(raw: dict) -> int | None:
-    """The attention window every layer uses, as Hugging Face reads the config: Mistral's
-    `sliding_window`; Qwen2's only with `use_sliding_window`, on layers from
-    `max_window_layers` on (or as `layer_types` lists them). Llama ignores the key. A window on
-    some layers only is refused rather than applied to all."""
-    window = raw.get("sliding_window")
-    model_type = raw.get("model_type", "llama")
-    if not window or model_type == "llama" or (model_type == "qwen2" and not raw.get("use_sliding_window")):
-        return None
-    n_layers = int(raw["num_hidden_layers"])
-    types = raw.get("layer_types")
-    if types is None and model_type == "qwen2":
-        first = int(raw.get("max_window_layers", 0))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    if types is not None and set(types) != {"sliding_attention"}:
-        if "sliding_attention" not in types:
-            return None
-        raise ModelLoadError("config.json: a sliding window on some layers only is not supported")
-    return int(window)
-
-
-def _check_mlp(raw: dict) -> None:
-    """The MLP is SwiGLU without biases; a config asking for anything else is refused."""
-    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise ModelLoadError(
-            f"config.json: hidden_act {act!r} is not supported (this engine's MLP is "
-            f"{'/'.join(SUPPORTED_ACTIVATIONS)}-gated)"
-        )
-    if raw.get("mlp_bias"):
-        raise ModelLoadError("config.json: mlp_bias true is not supported (MLP projections without biases only)")
-
-
-def check_config(c: ModelConfig, where: str = "config.json") -> None:
-    """Shape and rope checks every checkpoint format needs before tensors are read."""
-    if c.n_heads % c.n_kv_heads:
-        raise ModelLoadError(
-            f"{where}: num_attention_heads {c.n_heads} is not a multiple of "
-            f"num_key_value_heads {c.n_kv_heads}"
-        )
-    try:
-        inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-    except RopeScalingError as e:
-        raise ModelLoadError(f"{where}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{where}: rope_scaling {c.rope_scaling!r} is incomplete: {e!r}") from None
-
-
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, list):
-        return [int(v) for v in value]
-    return [int(value)]
+    """The engine's config from a Hugging Face `config.json`, read by its family."""
+    return registry.by_model_type(raw.get("model_type", "llama")).config_from_hf(raw, extra_eos)
 
 
 def _generation_eos(directory: Path) -> tuple[int, ...]:
@@ -176,7 +79,7 @@ def _generation_eos(directory: Path) -> tuple[int, ...]:
     path = directory / "generation_config.json"
     if not path.exists():
         return ()
-    return tuple(_ids(_read_json(path).get("eos_token_id")))
+    return tuple(ids(_read_json(path).get("eos_token_id")))
 
 
 def _read_json(path: Path) -> dict:

@@ -40,7 +40,7 @@ import torch
 from nodeagent import failpoints
 from nodeagent.daemon import QOS_CLASSES, Consumer, EngineFault, EngineHealth, SchedStats
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS
-from nodeagent.engine.cpu_kernels import CpuKernels, attending_kernels
+from nodeagent.engine.cpu_kernels import CpuKernels
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, chain_key
 from nodeagent.engine.model import Attend, LlamaModel, grouped_attention
 from nodeagent.engine.sampling import LaneSampler, choose_tokens
@@ -128,7 +128,7 @@ def forward_batch(
     freqs = model.rope(positions)
     stack = model.layer_stack() if kernels is not None else None
     if stack is not None:
-        x = stack(x.contiguous(), freqs, pool.kv, write.reshape(-1), batch.blocks, batch.starts, batch.counts)
+        x = stack(x.contiguous(), freqs[0], pool.kv, write.reshape(-1), batch.blocks, batch.starts, batch.counts)
     else:
         attend = paged_attend(model, pool, batch, positions, write.reshape(-1), kernels)
         for layer in range(model.config.n_layers):
@@ -145,28 +145,30 @@ def paged_attend(
     """Attention for `batch`'s step, storing each layer's new K/V at `write` first: on the CPU
     `kernels`, which read the pool in place, where given; else the lanes' blocks copied out for
     SDPA under a mask built from `positions`."""
+    window = model.config.window
     if kernels is not None:
-        attend_step = kernels.attention_step(write, batch.blocks, batch.starts, batch.counts,
-                                             model.config.sliding_window or 0)
+        steps = {w: kernels.attention_step(write, batch.blocks, batch.starts, batch.counts, w or 0)
+                 for w in model.windows()}
 
         def attend_in_place(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return attend_step(pool.kv[layer], q, kv)
+            return steps[window(layer)](pool.kv[layer], q, kv)
 
         return attend_in_place
-    mask = model.attention_mask(positions, batch.blocks.shape[1] * BLOCK_TOKENS)
+    masks = {w: model.attention_mask(positions, batch.blocks.shape[1] * BLOCK_TOKENS, w) for w in model.windows()}
+    softcap = model.config.spec.attn_softcap
 
     def attend_copied(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
         keys, values = (part.to(q.dtype) for part in pool.read(layer, batch.blocks))
-        return grouped_attention(q, keys, values, mask)
+        return grouped_attention(q, keys, values, masks[window(layer)], softcap)
 
     return attend_copied
 
 
 def attention_kernels(model: LlamaModel, pool: KVPool) -> CpuKernels | None:
     """The CPU kernels where they attend for `model` over `pool`: an fp32 model on the CPU, an
-    fp32 or fp16 pool, a head size they take."""
-    return attending_kernels(pool.kv.device, model.dtype, pool.kv.shape[-1], pool.kv.dtype)
+    fp32 or fp16 pool, a head size they take, a family whose scores they can compute."""
+    return model.attention_kernels(pool.kv.dtype)
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -150,7 +150,7 @@ def _rewrite(path, arch: str = "llama", drop: str | None = None, extra: str | No
         ({"arch": "gemma"}, "GGUF architecture 'gemma' is not a decoder this engine runs"),
         ({"drop": "blk.1.ffn_up.weight"}, "lacks tensor 'blk.1.ffn_up.weight'"),
         ({"extra": "blk.0.ffn_down.bias"}, "tensors this engine does not use: blk.0.ffn_down.bias"),
-        ({"extra": "rope_freqs.weight"}, "rope_freqs.weight (per-frequency rope factors) is not supported"),
+        ({"extra": "rope_freqs.weight"}, "rope divisors for 512 rotary dimensions, not 64"),
         ({"as_i32": "blk.0.attn_norm.weight"}, "'blk.0.attn_norm.weight' has type I32, which cannot be dequantized"),
     ],
 )

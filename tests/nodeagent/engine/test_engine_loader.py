@@ -136,7 +136,7 @@ def test_a_kv_budget_below_one_window_grows_the_pool_to_one_and_says_so(tmp_path
         ("wrong_shape", "shape [64, 63], expected [64, 64]"),
         ("bad_json", "config.json is not valid JSON"),
         ("missing_key", "config.json lacks hidden_size"),
-        ("unknown_rope", "unsupported rope_scaling type 'yarn'"),
+        ("unknown_rope", "unsupported rope_scaling type 'ntk-by-parts'"),
         ("foreign_model", "model_type 'gemma' is not a decoder this engine runs"),
         ("missing_shard", "model-00002-of-00002.safetensors is missing"),
         ("truncated_file", "cannot be read"),
@@ -164,7 +164,7 @@ def test_damaged_checkpoint_fails_naming_the_problem(tmp_path, tensors, damage, 
         del raw["hidden_size"]
         config_path.write_text(json.dumps(raw))
     if damage == "unknown_rope":
-        raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+        raw["rope_scaling"] = {"rope_type": "ntk-by-parts", "factor": 4.0}
         config_path.write_text(json.dumps(raw))
     if damage == "foreign_model":
         raw["model_type"] = "gemma"
@@ -218,8 +218,8 @@ def test_llama3_rope_slows_long_wavelengths_only():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    plain = inv_frequencies(128, 500000.0, None)
-    scaled = inv_frequencies(128, 500000.0, scaling)
+    plain = inv_frequencies(128, 500000.0, None).inv_freq
+    scaled = inv_frequencies(128, 500000.0, scaling).inv_freq
     wavelen = 2 * math.pi / plain
     short, long = wavelen < 8192 / 4, wavelen > 8192
     assert torch.equal(scaled[short], plain[short])

@@ -176,7 +176,7 @@ def greedy_continuation(model, prompt, n):
     tokens, start = list(prompt), 0
     while len(tokens) < len(prompt) + n:
         positions = torch.arange(start, len(tokens)).unsqueeze(0)
-        mask = model.attention_mask(positions, len(tokens))
+        mask = model.attention_mask(positions, len(tokens), None)
 
         def attend(layer, q, kv, mask=mask):
             cache[layer] = torch.cat([cache[layer], kv], 1) if layer in cache else kv
