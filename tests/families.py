@@ -62,8 +62,8 @@ CASES = {
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}},
                    "gemma3"),
     "phi3": Case("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": None,
-                                "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0],
-                                                 "long_factor": [1.0, 3.0, 5.0],
+                                "rope_scaling": {"rope_type": "longrope", "short_factor": (1.0, 2.0),
+                                                 "long_factor": (1.0, 5.0),
                                                  "original_max_position_embeddings": 16}}, "phi3"),
     "olmo2": Case("Olmo2Config", {}, "olmo2"),
     "granite": Case("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
@@ -72,13 +72,18 @@ CASES = {
 }
 
 
+#: The spread of the random weights: wide enough that logits differ by whole units, so 1e-4
+#: checks something; a bench may take a calmer model (`STD` is read at each call).
+STD = 0.15
+
+
 def reference_model(name: str, seed: int = 0):
     """transformers' model of case `name` with random weights (norm weights around 1, or around
     0 for Gemma's 1 + w), in fp32 with eager attention."""
     import transformers
 
     case = CASES[name]
-    config = getattr(transformers, case.config_class)(**{**SHAPE, **case.options})
+    config = getattr(transformers, case.config_class)(**_sized({**SHAPE, **case.options}))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
@@ -86,8 +91,19 @@ def reference_model(name: str, seed: int = 0):
             if param_name.endswith("norm.weight"):
                 param.copy_(param + torch.randn_like(param) * 0.2)
             else:
-                param.normal_(0.0, 0.15)
+                param.normal_(0.0, STD)
     return model.eval()
+
+
+def _sized(options: dict) -> dict:
+    """`options` with longrope's factors, given as (first, last), spread over each rotary pair
+    of the shape's heads."""
+    scaling = options.get("rope_scaling")
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return options
+    pairs = int(options["head_dim"] * options.get("partial_rotary_factor", 1.0)) // 2
+    spread = {key: torch.linspace(*scaling[key], pairs).tolist() for key in ("short_factor", "long_factor")}
+    return {**options, "rope_scaling": {**scaling, **spread}}
 
 
 def write_case(name: str, directory: Path, seed: int = 0):

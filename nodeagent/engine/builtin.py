@@ -44,6 +44,9 @@ class DictSource:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return checked(name, self.tensors[name], shape)
 
+    def bits(self, name: str) -> int | None:
+        return None
+
 
 def random_tensors(
     config: ModelConfig, seed: int, std: float = 0.02, qkv_bias: bool = False

@@ -70,14 +70,18 @@ def load_gguf(
 def projection_bits(path: str | os.PathLike) -> int | None:
     """The bits per weight the file's layer projections keep (4 or 8), or None if float: the
     type most of the `blk.*` matrices have."""
-    from gguf import GGMLQuantizationType
-
     types = [t.type for t in _read_header(Path(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     if not types:
         return None
-    commonest = max(set(types), key=types.count)
+    return type_bits(max(set(types), key=types.count))
+
+
+def type_bits(ggml_type: int) -> int | None:
+    """The bits a ggml tensor type keeps, by `_TYPE_BITS` (None: a float or unknown type)."""
+    from gguf import GGMLQuantizationType
+
     try:
-        return _TYPE_BITS.get(GGMLQuantizationType(commonest).name)
+        return _TYPE_BITS.get(GGMLQuantizationType(ggml_type).name)
     except ValueError:
         return None
 
@@ -116,6 +120,9 @@ class GGUFSource:
 
     def names(self) -> set[str]:
         return set(self._tensors)
+
+    def bits(self, name: str) -> int | None:
+        return type_bits(self._tensors[name].type) if name in self._tensors else None
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self._tensors:

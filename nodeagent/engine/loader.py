@@ -135,6 +135,9 @@ class SafetensorsSource:
     def names(self) -> set[str]:
         return set(self._where)
 
+    def bits(self, name: str) -> int | None:
+        return None
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor in memory of its own: safetensors hands out views of the file's map,
         which would keep the whole file mapped for as long as the model lives."""

@@ -97,6 +97,11 @@ class TensorSource(Protocol):
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
 
+    def bits(self, name: str) -> int | None:
+        """The bits a weight keeps in the checkpoint (4 or 8; None: float), which the engine's
+        format for it follows."""
+        ...
+
 
 class Projection(Protocol):
     """`x @ W.T + b` over the last axis of x, W held in some format."""
@@ -107,8 +112,9 @@ class Projection(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-#: Builds a projection from a float weight [out, in] and an optional bias.
-MakeProjection = Callable[[torch.Tensor, torch.Tensor | None], Projection]
+#: Builds a projection from a float weight [out, in], an optional bias and the bits its parts
+#: keep in the checkpoint (`TensorSource.bits`).
+MakeProjection = Callable[[torch.Tensor, torch.Tensor | None, int | None], Projection]
 
 
 @dataclass
@@ -447,9 +453,16 @@ def _nbytes(part: torch.Tensor | Projection | Int8Embedding) -> int:
 
 
 def _projection_maker(weights: WeightFormat) -> MakeProjection:
+    """Float, or `weights`' format; a weight the file keeps in more than 4 bits (a Q4_K_M file's
+    Q6_K tensors) takes int8 under int4, the nearest format that keeps them."""
     if weights == WeightFormat.FLOAT:
-        return Linear
-    return lambda weight, bias: quantized_linear(weights, weight, bias)
+        return lambda weight, bias, _: Linear(weight, bias)
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, bits: int | None) -> Projection:
+        wider = weights == WeightFormat.INT4 and bits is not None and bits > 4
+        return quantized_linear(WeightFormat.INT8 if wider else weights, weight, bias)
+
+    return make
 
 
 def _layer_weights(
@@ -511,13 +524,17 @@ def _layer_weights(
                                   1 if per_head else c.n_heads, c.head_dim, rot) * spec.query_scale
         k_norm = interleave_pairs(take(attn + "k_norm.weight", c.head_dim if per_head else kv_rows),
                                   1 if per_head else c.n_kv_heads, c.head_dim, rot)
+    def bits(*names: str) -> int | None:
+        kept = [b for b in (source.bits(p + name) for name in names) if b is not None]
+        return max(kept, default=None)
+
     return LayerWeights(
         input_norm=norm("input_layernorm.weight") if before else None,
-        qkv=make(qkv, qkv_bias),
-        o=make(o, o_bias),
+        qkv=make(qkv, qkv_bias, bits(*(f"self_attn.{part}_proj.weight" for part in "qkv"))),
+        o=make(o, o_bias, bits("self_attn.o_proj.weight")),
         post_norm=norm("post_attention_layernorm.weight") if before else None,
-        gate_up=make(gate_up, None),
-        down=make(down, None),
+        gate_up=make(gate_up, None, bits("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        down=make(down, None, bits("mlp.down_proj.weight")),
         attn_out_norm=norm("attn_out_norm.weight") if after else None,
         mlp_out_norm=norm("mlp_out_norm.weight") if after else None,
         q_norm=q_norm,

@@ -38,6 +38,10 @@ from nodeagent.engine.rope import rotate_in_place
 GROUP = cpu_kernels.GROUP
 #: The int4 kernel packs output rows in tiles of 16.
 INT4_ROW_TILE = 16
+#: How close to a 4-bit grid (in shares of the group's range) a dequantized weight must lie for
+#: `grid_steps` to keep its code: far above float32's rounding of a dequantized value, far
+#: below the chance that 32 float weights fall on a grid.
+GRID_TOLERANCE = 1e-4
 #: The int8 kernel reads past the end of rows of other lengths (it crashed on some).
 INT8_COLUMN_MULTIPLE = 16
 #: `auto` takes a quantized kernel only when it runs the probe in at most this share of float's
@@ -457,14 +461,30 @@ def int4_groups(
     weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes 0..15 [rows, columns] with a scale and a minimum per group of 32 along each row
-    [rows, groups] in `scale_dtype`: w ≈ code * scale + minimum. A group that spans the 16
-    codes, as every GGUF Q4_1 block does, comes back exactly."""
+    [rows, groups] in `scale_dtype`: w ≈ code * scale + minimum. A group already on a 4-bit grid
+    (a GGUF Q4_0, Q4_1 or Q4_K block's 32 weights, dequantized) keeps its codes: only its scale
+    and minimum are rounded to `scale_dtype`."""
     rows, columns = weight.shape
     groups = weight.reshape(rows, columns // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale, low = _representable((high - low) / 15, scale_dtype), low.to(scale_dtype)
+    steps = grid_steps(groups, low, high)
+    scale, low = _representable((high - low) / steps, scale_dtype), low.to(scale_dtype)
     codes = torch.round((groups - low[..., None].float()) / scale[..., None].float()).clamp(0, 15).to(torch.uint8)
     return codes.reshape(rows, columns), scale, low
+
+
+def grid_steps(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per group [..., 32] of weights from `low` to `high`, the steps (1 to 15) of the grid
+    low + k * (high - low) / steps every weight lies on, where they do; 15 elsewhere. The step
+    is the smallest gap between the group's weights, so a group that uses no two neighbouring
+    codes is re-rounded, as any group of float weights is."""
+    width = high - low
+    gaps = groups.sort(dim=-1).values.diff(dim=-1)
+    gaps = gaps.masked_fill(gaps <= GRID_TOLERANCE * width[..., None], float("inf"))
+    steps = (width / gaps.amin(dim=-1)).round().clamp(1, 15)
+    position = (groups - low[..., None]) * (steps / width)[..., None]
+    on_grid = ((position - position.round()).abs() <= GRID_TOLERANCE * 15).all(dim=-1)
+    return torch.where(on_grid, steps, 15.0)
 
 
 def _representable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -76,6 +76,9 @@ class ShardedSource:
     def has(self, name: str) -> bool:
         return self.source.has(name)
 
+    def bits(self, name: str) -> int | None:
+        return self.source.bits(name)
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The slice of `name` whose shape is `shape` (the sharded config's)."""
         suffix = _suffix(name)

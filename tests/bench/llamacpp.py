@@ -61,7 +61,7 @@ from conformance.head import FleetHead  # noqa: E402
 from proto.models import ALIASES, alias_path  # noqa: E402
 from proto.params import GenParams  # noqa: E402
 
-TOOLS = ("llama-bench", "llama-batched-bench")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 #: The native build without AMX: on a Xeon guest that lists AMX, this llama.cpp's AMX kernels
 #: died with SIGILL at their first tile instruction (torch's oneDNN runs AMX there).
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

@@ -163,6 +163,9 @@ class FamilySource:
     def has(self, name: str) -> bool:
         return self.source.has(self._name(name))
 
+    def bits(self, name: str) -> int | None:
+        return self.source.bits(self._name(name))
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = self.source.get(self._name(name), shape)
         return self.family.hf_tensor(name, tensor) if self.hf else tensor

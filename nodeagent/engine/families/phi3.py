@@ -59,6 +59,10 @@ class FusedSource:
         part = self._part(name)
         return self.source.has(name if part is None else part[0])
 
+    def bits(self, name: str) -> int | None:
+        part = self._part(name)
+        return self.source.bits(name if part is None else part[0])
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         part = self._part(name)
         if part is None:

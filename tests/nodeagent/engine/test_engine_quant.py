@@ -68,6 +68,37 @@ def test_a_weight_on_a_16_level_grid_per_group_comes_back_exactly_from_int4(rows
 
 
 @settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), groups=st.integers(1, 4), first=st.integers(0, 13), seed=st.integers(0, 2**16))
+def test_a_group_on_a_grid_of_fewer_codes_keeps_them(rows, groups, first, seed):
+    """As a GGUF Q4_K sub-block often is: its codes a part of 0..15 (two of them neighbours), so
+    the group's range is fewer than 15 steps; re-rounding it to 15 steps would move most weights."""
+    g = torch.Generator().manual_seed(seed)
+    last = torch.randint(first + 1, 16, (1,), generator=g).item()
+    codes = torch.randint(first, last + 1, (rows, groups, quant.GROUP), generator=g)
+    codes[..., 0], codes[..., 1], codes[..., 2] = first, first + 1, last
+    scale = torch.rand(rows, groups, 1, generator=g) * 0.01 + 1e-4
+    low = torch.randn(rows, groups, 1, generator=g) * 0.05
+    weight = (codes * scale - low).reshape(rows, -1)
+    got_codes, got_scale, got_low = quant.int4_groups(weight)
+    rebuilt = got_codes.reshape(rows, groups, -1) * got_scale[..., None] + got_low[..., None]
+    assert torch.allclose(rebuilt.reshape(rows, -1), weight, rtol=0, atol=1e-6)
+
+
+def test_q4_k_blocks_keep_their_codes_and_float_weights_take_fifteen_steps():
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+    from gguf_fixtures import k_quant_blocks
+
+    blocks = k_quant_blocks(Q.Q4_K, 64, 512, seed=3)
+    weight = torch.from_numpy(dequantize(blocks.blocks, Q.Q4_K)).reshape(64, 512)
+    codes, scale, low = quant.int4_groups(weight)
+    rebuilt = codes.reshape(64, -1, quant.GROUP) * scale[..., None] + low[..., None]
+    assert float((rebuilt.reshape(64, -1) - weight).abs().max()) <= 1e-6 * float(weight.abs().max())
+    floats = torch.randn(64, 16, quant.GROUP, generator=torch.Generator().manual_seed(1))
+    assert bool((quant.grid_steps(floats, floats.amin(-1), floats.amax(-1)) == 15).all())
+
+
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 30), columns=st.integers(1, 70), seed=st.integers(0, 2**16))
 def test_int8_rows_are_within_half_a_step_of_the_weight(rows, columns, seed):
     weight = torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed))

@@ -128,6 +128,9 @@ class Q8_0Rounded:
     def has(self, name: str) -> bool:
         return self.source.has(name)
 
+    def bits(self, name: str) -> int | None:
+        return self.source.bits(name)
+
     def get(self, name: str, shape: tuple[int, ...]):
         import torch
         from gguf import GGMLQuantizationType
