@@ -76,6 +76,32 @@ def projection_bits(path: str | os.PathLike) -> int | None:
     return type_bits(max(set(types), key=types.count))
 
 
+#: The ggml types whose groups of 32 the engine's formats hold without loss (int4 keeps a
+#: Q4_0, Q4_1 or Q4_K group's codes, `quant.grid_steps`; int8 a Q8_0 group's).
+_KEPT = {WeightFormat.INT4: ("Q4_0", "Q4_1", "Q4_K"), WeightFormat.INT8: ("Q8_0",)}
+
+
+def type_conversions(path: str | os.PathLike, fmt: WeightFormat) -> str:
+    """What each ggml type of the file's layer matrices became in `fmt`, commonest first, e.g.
+    "Q4_K x112 as int4, Q6_K x17 as int8 re-rounded"."""
+    from gguf import GGMLQuantizationType
+
+    types = [t.type for t in _read_header(Path(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    parts = []
+    for ggml_type in sorted(set(types), key=lambda t: -types.count(t)):
+        name = GGMLQuantizationType(ggml_type).name
+        bits = type_bits(ggml_type)
+        held = fmt
+        if fmt == WeightFormat.INT4 and (bits is None or bits > 4):
+            held = WeightFormat.INT8 if bits is not None else WeightFormat.INT4
+        if fmt == WeightFormat.FLOAT:
+            parts.append(f"{name} x{types.count(ggml_type)} dequantized")
+            continue
+        kept = "" if name in _KEPT.get(held, ()) else " re-rounded"
+        parts.append(f"{name} x{types.count(ggml_type)} as {held.value}{kept}")
+    return ", ".join(parts)
+
+
 def type_bits(ggml_type: int) -> int | None:
     """The bits a ggml tensor type keeps, by `_TYPE_BITS` (None: a float or unknown type)."""
     from gguf import GGMLQuantizationType

@@ -43,7 +43,7 @@ from nodeagent.daemon import (
 from nodeagent.engine.builtin import BUILTIN_CONFIG, BUILTIN_NAME, builtin_model
 from nodeagent.engine.choices import DEFAULT_STALL_TIMEOUT_MS, DTYPES, WEIGHTS, WeightFormat
 from nodeagent.engine.cpu_kernels import attending_kernels
-from nodeagent.engine.gguf_file import GGUFSource, load_gguf, projection_bits
+from nodeagent.engine.gguf_file import GGUFSource, load_gguf, projection_bits, type_conversions
 from nodeagent.engine.kvpool import BLOCK_TOKENS, KVPool, blocks_for, bytes_per_block
 from nodeagent.engine.linear import bound_kernel_caches
 from nodeagent.engine.loader import load_model, read_config
@@ -170,6 +170,9 @@ class TorchDaemon(Daemon):
                 group = TensorParallel.launch(spec, load_shard)
             shard = Shard(0, tensor_parallel) if group is not None else None
             loaded = _load_weights(path, floats, dev, quantization.format, shard)
+            if is_gguf(path):
+                conversions = type_conversions(path, quantization.format)
+                quantization = dataclasses.replace(quantization, reason=f"{quantization.reason}; {conversions}")
             quantization = _with_cpu_kernels(loaded, quantization)
             if fast_prefill:
                 quantization = _unpack_prefill(loaded, quantization)
@@ -296,7 +299,8 @@ class TorchDaemon(Daemon):
 
     def summary(self) -> str:
         return (
-            f"runtime torch ({self._name}, {self.model.device.type} {_short(self.model.dtype)}), context window "
+            f"runtime torch ({self._name}, {self.model.config.spec.family}, {self.model.device.type} "
+            f"{_short(self.model.dtype)}), context window "
             f"{self.context} tokens, {self.max_batch} lanes, {self._threads()}{self._memory()}"
         )
 
@@ -443,7 +447,9 @@ def _with_cpu_kernels(model: LlamaModel, quantization: Quantization) -> Quantiza
     where = model.cpu_kernels()
     if where is None:
         return quantization
-    return dataclasses.replace(quantization, reason=f"{quantization.reason}; node kernels on {where}")
+    apart = model.config.spec.why_not_plain()
+    layers = f", {model.config.spec.family} layers a projection at a time for its {apart}" if apart else ""
+    return dataclasses.replace(quantization, reason=f"{quantization.reason}; node kernels on {where}{layers}")
 
 
 def _unpack_prefill(model: LlamaModel, quantization: Quantization) -> Quantization:

@@ -238,7 +238,7 @@ def test_the_builtin_torch_model_serves_what_it_serves_in_process(noded):
     args = ("--listen", "127.0.0.1:0", "--model", "builtin", "--device", "cpu", "--max-batch", "2")
     # The node picks its own thread count, whatever the shell running the tests set.
     node = noded(*args, OMP_NUM_THREADS=None, MKL_NUM_THREADS=None)
-    assert node.lines[0].startswith("superfluid-noded: runtime torch (builtin, cpu")
+    assert node.lines[0].startswith("superfluid-noded: runtime torch (builtin, llama, cpu")
     threads = int(re.search(r", (\d+) CPU threads?, ", node.lines[0]).group(1))
     assert 1 <= threads <= len(os.sched_getaffinity(0)), "the scheduler's threads fit the CPUs allowed"
     assert node.model_name == "builtin"

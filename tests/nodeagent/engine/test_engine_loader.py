@@ -59,7 +59,7 @@ def test_sharded_checkpoint_loads_and_generates_like_the_weights_in_memory(tmp_p
         result = generate(daemon)
         assert result.tokens == in_memory_tokens(CHECKPOINT, tensors)
         assert result.finish == finish.LENGTH
-        assert "runtime torch (tiny-llama, cpu fp32)" in daemon.summary()
+        assert "runtime torch (tiny-llama, llama, cpu fp32)" in daemon.summary()
     finally:
         daemon.close()
 

@@ -507,6 +507,30 @@ def test_a_quantized_gguf_loads_quantized_under_auto_and_names_why(tmp_path):
 
 
 @needs_int4
+def test_each_ggml_type_takes_the_format_that_holds_it_and_the_serving_line_says_so(tmp_path):
+    """A Q4_K_M-like file: its Q4_K matrices int4 with their codes kept, its Q5_K and Q6_K ones
+    int8 (more than 4 bits), the Q4_K weights within the fp16 scales' rounding of the file's."""
+    from gguf_fixtures import k_quant_tensors
+
+    config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=256)
+    tensors = k_quant_tensors(config, random_tensors(config, seed=3), seed=5)
+    path = write_gguf(tmp_path / "k.gguf", config, tensors, {})
+    daemon = TorchDaemon.load(str(path), device="cpu", max_batch=1, kv_budget_mb=1, weights="int4")
+    try:
+        line = daemon.summary()
+        assert "F32 x15 as int4 re-rounded, Q4_K x2 as int4, Q5_K x2 as int8 re-rounded, Q6_K x2 as int8 re-rounded" \
+            in line, line
+        layers = daemon.model.layers
+        assert isinstance(layers[0].gate_up, quant.Int4Linear) and isinstance(layers[0].down, quant.Int8Linear)
+        float_model = load_gguf(path, torch.float32, CPU)
+        up = float_model.layers[0].gate_up.weight[config.intermediate_size:]
+        held = layers[0].gate_up.dequantized()[config.intermediate_size:]
+        assert float((held - up).abs().max()) <= 2 ** -10 * float(up.abs().max())
+    finally:
+        daemon.close()
+
+
+@needs_int4
 @needs_unpacking
 @pytest.mark.usefixtures("torchs_kernels")  # unpacking is for torch's int4 kernel
 def test_the_serving_line_says_whether_fast_prefill_took(caplog):
