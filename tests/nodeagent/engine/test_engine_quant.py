@@ -22,7 +22,7 @@ from nodeagent.engine import model as model_module
 from nodeagent.engine.builtin import DictSource, random_tensors
 from nodeagent.engine.checkpoint import write_gguf
 from nodeagent.engine.choices import WeightFormat
-from nodeagent.engine.gguf_file import load_gguf, projection_bits
+from nodeagent.engine.gguf_file import GGUFSource, load_gguf, projection_bits
 from nodeagent.engine.kvpool import KVPool
 from nodeagent.engine.linear import Linear
 from nodeagent.engine.model import LlamaModel
@@ -522,8 +522,9 @@ def test_each_ggml_type_takes_the_format_that_holds_it_and_the_serving_line_says
             in line, line
         layers = daemon.model.layers
         assert isinstance(layers[0].gate_up, quant.Int4Linear) and isinstance(layers[0].down, quant.Int8Linear)
-        float_model = load_gguf(path, torch.float32, CPU)
-        up = float_model.layers[0].gate_up.weight[config.intermediate_size:]
+        source = GGUFSource(path)
+        up = source.get("model.layers.0.mlp.up_proj.weight", (config.intermediate_size, config.hidden_size))
+        source.close()
         held = layers[0].gate_up.dequantized()[config.intermediate_size:]
         assert float((held - up).abs().max()) <= 2 ** -10 * float(up.abs().max())
     finally:
