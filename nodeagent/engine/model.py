@@ -514,7 +514,7 @@ def _layer_weights(
         o, down = o * spec.residual_scale, down * spec.residual_scale
     before, after = spec.norms is not Norms.POST, spec.norms is not Norms.PRE
 
-    def norm(name: str) -> torch.Tensor | None:
+    def norm(name: str) -> torch.Tensor:
         return take(p + name, c.hidden_size)
 
     q_norm = k_norm = None

@@ -19,6 +19,7 @@ import re
 import torch
 
 from nodeagent.daemon import ModelLoadError
+from nodeagent.engine.families.spec import QKNorm
 from nodeagent.engine.model import ModelConfig, TensorSource
 
 #: Tensor-name suffix -> the dimension split across ranks; the unlisted are replicated.
@@ -46,6 +47,11 @@ class ShardError(ModelLoadError):
 def shard_config(config: ModelConfig, world: int, model: str) -> ModelConfig:
     """The layer shapes each of `world` ranks holds; ShardError naming the count that does not
     divide."""
+    if config.spec.qk_norm is QKNorm.PROJECTION:
+        raise ShardError(
+            f"{model} cannot run on {world} tensor-parallel ranks: its q/k norms ({config.spec.family}) "
+            f"span every head of a layer, which the ranks split"
+        )
     counts = {
         "attention heads": config.n_heads,
         "KV heads": config.n_kv_heads,

@@ -5,6 +5,8 @@ name. Over the wire, and with a worker killed, in tests/e2e/test_tensor_parallel
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from polling import background
 
 from nodeagent.daemon import GenExtras, ModelLoadError, StageHidden
 from nodeagent.engine.builtin import BUILTIN_CONFIG
+from nodeagent.engine.families.spec import LLAMA, QKNorm
 from nodeagent.engine.shard import ShardError, shard_config
 from nodeagent.engine.torch_engine import TorchDaemon
 from proto.params import GenParams
@@ -45,6 +48,13 @@ def test_a_model_whose_heads_do_not_split_is_refused_by_name():
         shard_config(BUILTIN_CONFIG, 3, "builtin")
     with pytest.raises(ModelLoadError, match="its 8 attention heads do not split 3 ways"):
         TorchDaemon.load("builtin", tensor_parallel=3)
+
+
+def test_a_family_whose_q_k_norms_span_every_head_is_refused_by_name():
+    olmo = dataclasses.replace(BUILTIN_CONFIG, spec=dataclasses.replace(LLAMA, family="olmo2",
+                                                                        qk_norm=QKNorm.PROJECTION))
+    with pytest.raises(ShardError, match=r"olmo cannot run on 2 tensor-parallel ranks: its q/k norms \(olmo2\)"):
+        shard_config(olmo, 2, "olmo")
 
 
 def test_each_rank_holds_half_the_layers_and_says_so(engines):
