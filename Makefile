@@ -35,7 +35,7 @@ reliability: $(STAMP)
 # is no runtime dependency of the node) and llama.cpp (llamacpp.py builds its benches once into
 # .bench/, which takes cmake and a C++ compiler). Every bench runs even when one misses a target; the
 # exit status is 1 if any did.
-BENCHES := codec serve engine smollm2 stage attention llamacpp
+BENCHES := codec serve engine smollm2 stage attention llamacpp families
 bench: $(STAMP)
 	@missed=""; for b in $(BENCHES); do echo "$(PY) tests/bench/$$b.py"; \
 		$(PY) tests/bench/$$b.py || missed="$$missed $$b"; done; \

@@ -68,12 +68,16 @@ def load_gguf(
 
 
 def projection_bits(path: str | os.PathLike) -> int | None:
-    """The bits per weight the file's layer projections keep (4 or 8), or None if float: the
-    type most of the `blk.*` matrices have."""
-    types = [t.type for t in _read_header(Path(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    if not types:
-        return None
-    return type_bits(max(set(types), key=types.count))
+    """The fewest bits per weight a quantized layer matrix of the file keeps (4 or 8), or None
+    if every one is float. A file with any 4-bit matrix loads as int4 under auto, each wider
+    matrix in int8 (a Gemma 3 Q4_K_M file is mostly Q5_0, which its 1152 columns force)."""
+    bits = [b for b in map(type_bits, _layer_types(Path(path))) if b is not None]
+    return min(bits, default=None)
+
+
+def _layer_types(path: Path) -> list[int]:
+    """The ggml type of each of the file's layer matrices."""
+    return [t.type for t in _read_header(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
 
 
 #: The ggml types whose groups of 32 the engine's formats hold without loss (int4 keeps a
@@ -86,7 +90,7 @@ def type_conversions(path: str | os.PathLike, fmt: WeightFormat) -> str:
     "Q4_K x112 as int4, Q6_K x17 as int8 re-rounded"."""
     from gguf import GGMLQuantizationType
 
-    types = [t.type for t in _read_header(Path(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    types = _layer_types(Path(path))
     parts = []
     for ggml_type in sorted(set(types), key=lambda t: -types.count(t)):
         name = GGMLQuantizationType(ggml_type).name

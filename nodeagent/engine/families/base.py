@@ -73,6 +73,8 @@ class Family:
     activations: tuple[str, ...] = ("silu", "swish")
     #: The engine's layer-tensor names that the family's Hugging Face checkpoints call otherwise.
     hf_names: dict[str, str] = {}
+    #: What the family's layer always differs by (DecoderSpec fields), whatever its config says.
+    spec_options: dict[str, Any] = {}
 
     # ---- Hugging Face ----------------------------------------------------------------------
 
@@ -108,7 +110,7 @@ class Family:
 
     def spec_from_hf(self, raw: dict, config: ModelConfig) -> DecoderSpec:
         return dataclasses.replace(LLAMA, family=self.name, layer_windows=hf_layer_windows(raw, config.n_layers),
-                                   partial_rotary=partial_rotary(raw))
+                                   partial_rotary=partial_rotary(raw), **self.spec_options)
 
     def _check_mlp(self, raw: dict) -> None:
         """The MLP is gated by one of the family's activations, without biases."""
@@ -130,7 +132,7 @@ class Family:
     def spec_from_gguf(self, get: MetadataGetter, config: ModelConfig, tensors: dict) -> DecoderSpec:
         window = config.sliding_window
         return dataclasses.replace(LLAMA, family=self.name,
-                                   layer_windows=(window,) * config.n_layers if window else ())
+                                   layer_windows=(window,) * config.n_layers if window else (), **self.spec_options)
 
     def gguf_rope_factors(self, get: MetadataGetter, vectors: dict[str, tuple[float, ...]]) -> RopeFactors | None:
         """The divisors llama.cpp's converter writes as `rope_freqs` for Llama 3.1's scaling, in

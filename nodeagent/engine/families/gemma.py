@@ -26,6 +26,7 @@ class Gemma2(Family):
     permuted_architectures = ()
     activations = ("gelu_pytorch_tanh", "gelu_tanh")
     tied_by_default = True
+    spec_options = {"norms": Norms.SANDWICH, "activation": Activation.GELU_TANH}
     #: Sliding layers to global ones, as `layer_types` falls back to: 1 of 2 in Gemma 2.
     window_pattern = 2
     hf_names = {
@@ -65,14 +66,13 @@ class Gemma2(Family):
               final_softcap: float | None, ropes: tuple) -> DecoderSpec:
         return DecoderSpec(
             family=self.name,
-            norms=Norms.SANDWICH,
-            activation=Activation.GELU_TANH,
             embed_scale=math.sqrt(config.hidden_size),
             query_scale=query_scale,
             attn_softcap=None if attn_softcap is None else float(attn_softcap),
             final_softcap=None if final_softcap is None else float(final_softcap),
             layer_windows=windows if any(windows) else (),
             layer_ropes=ropes,
+            **self.spec_options,
         )
 
     def _pattern(self, n_layers: int) -> list[str]:
@@ -94,17 +94,15 @@ class Gemma3(Gemma2):
     name = "gemma3"
     model_types = ("gemma3_text",)
     architectures = ("gemma3",)
+    spec_options = {**Gemma2.spec_options, "qk_norm": QKNorm.HEAD}
     window_pattern = 6
-
-    def spec_from_hf(self, raw: dict, config: ModelConfig) -> DecoderSpec:
-        return dataclasses.replace(super().spec_from_hf(raw, config), qk_norm=QKNorm.HEAD)
 
     def spec_from_gguf(self, get: MetadataGetter, config: ModelConfig, tensors: dict) -> DecoderSpec:
         spec = super().spec_from_gguf(get, config, tensors)
         types = self._gguf_layer_types(get, config.n_layers)
         local = Rope(get("rope.freq_base_swa", float, 10000.0))
         ropes = tuple(local if t == "sliding_attention" else config.rope for t in types)
-        return dataclasses.replace(spec, qk_norm=QKNorm.HEAD, attn_softcap=None,
+        return dataclasses.replace(spec, attn_softcap=None,
                                    final_softcap=get("final_logit_softcapping", float, 0.0) or None,
                                    layer_ropes=ropes)
 

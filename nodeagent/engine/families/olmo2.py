@@ -3,11 +3,8 @@ the whole projections."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from nodeagent.engine.families.base import Family, MetadataGetter
-from nodeagent.engine.families.spec import DecoderSpec, Norms, QKNorm
-from nodeagent.engine.model import ModelConfig
+from nodeagent.engine.families.base import Family
+from nodeagent.engine.families.spec import Norms, QKNorm
 
 
 class Olmo2(Family):
@@ -19,10 +16,4 @@ class Olmo2(Family):
         "attn_out_norm.weight": "post_attention_layernorm.weight",
         "mlp_out_norm.weight": "post_feedforward_layernorm.weight",
     }
-
-    def spec_from_hf(self, raw: dict, config: ModelConfig) -> DecoderSpec:
-        return dataclasses.replace(super().spec_from_hf(raw, config), norms=Norms.POST, qk_norm=QKNorm.PROJECTION)
-
-    def spec_from_gguf(self, get: MetadataGetter, config: ModelConfig, tensors: dict) -> DecoderSpec:
-        return dataclasses.replace(super().spec_from_gguf(get, config, tensors), norms=Norms.POST,
-                                   qk_norm=QKNorm.PROJECTION)
+    spec_options = {"norms": Norms.POST, "qk_norm": QKNorm.PROJECTION}

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from nodeagent.engine.families.base import Family, MetadataGetter
-from nodeagent.engine.families.spec import DecoderSpec, QKNorm
-from nodeagent.engine.model import ModelConfig
+from nodeagent.engine.families.base import Family
+from nodeagent.engine.families.spec import QKNorm
 
 
 class Qwen3(Family):
@@ -14,9 +11,4 @@ class Qwen3(Family):
     model_types = ("qwen3",)
     architectures = ("qwen3",)
     permuted_architectures = ()
-
-    def spec_from_hf(self, raw: dict, config: ModelConfig) -> DecoderSpec:
-        return dataclasses.replace(super().spec_from_hf(raw, config), qk_norm=QKNorm.HEAD)
-
-    def spec_from_gguf(self, get: MetadataGetter, config: ModelConfig, tensors: dict) -> DecoderSpec:
-        return dataclasses.replace(super().spec_from_gguf(get, config, tensors), qk_norm=QKNorm.HEAD)
+    spec_options = {"qk_norm": QKNorm.HEAD}

@@ -388,13 +388,15 @@ def test_a_quantized_format_asked_for_where_it_cannot_run_is_refused(monkeypatch
         choose_format(WeightFormat.INT8, CPU, None)
 
 
-def test_a_gguf_files_projection_bits_come_from_its_commonest_layer_type(tmp_path):
+def test_a_gguf_files_projection_bits_are_the_fewest_its_quantized_layer_matrices_keep(tmp_path):
     config = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128)
     tensors = random_tensors(config, seed=3)
     layer_weights = [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]
     for qtype, bits in ((Q.Q4_0, 4), (Q.Q8_0, 8), (Q.F32, None)):
         path = write_gguf(tmp_path / f"{qtype.name}.gguf", config, tensors, dict.fromkeys(layer_weights, qtype))
         assert projection_bits(path) == bits
+    mostly_wide = {**dict.fromkeys(layer_weights, Q.Q5_0), layer_weights[0]: Q.Q4_0, layer_weights[1]: Q.F16}
+    assert projection_bits(write_gguf(tmp_path / "mixed.gguf", config, tensors, mostly_wide)) == 4
 
 
 # ---- the engine on quantized weights -------------------------------------------------------
