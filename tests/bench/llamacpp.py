@@ -7,8 +7,8 @@ minutes on 2 cores) and run with the better of 1 and all CPU threads. Ours is a
 `superfluid-noded` process over Link F, as users run it, read by heads in this process.
 
 Rows, prompt 128 tokens, 64 new tokens, greedy:
-- decode tokens/s at one sequence (target ≥ 0.5× llama.cpp's) and summed over 8 at once
-  (target ≥ 1.0×): (T(65) - T(1)) over the wire, so prefill and set-up cancel out;
+- decode tokens/s at one sequence (target ≥ 0.5× llama.cpp's, ≥ 1.0× on the Q4_K_M files) and
+  summed over 8 at once (target ≥ 1.0×): (T(65) - T(1)) over the wire, so prefill and set-up cancel out;
 - for SmolLM2, decode at one sequence after a `DEPTH`-token prompt against `llama-bench -d`
   (target ≥ 0.5×), timed from the first token to the last: attention's share of a step grows
   with the context (on a 1B file the peer's own prefill of that context would take minutes a
@@ -267,18 +267,18 @@ def _timed(heads: list[FleetHead], rng: random.Random, new: int, prompt: int = P
 
 
 def compare(title: str, model: Path, bin_dir: Path, bare: float, home: Path, against_file: float | None,
-            smollm2: bool = False) -> list[str]:
+            smollm2: bool = False, decode_1: float = 0.5) -> list[str]:
     """The table for `model`; the misses. SmolLM2's adds the long-context decode row, and only its
     prefill is held to 3x (the issue's target; on the 1B files the row is reported).
     `against_file`: the most idle RSS beyond torch may be, as a share of the file (None: no
-    target)."""
+    target); `decode_1`: the one-sequence decode row's target."""
     peer = llama_cpp_figures(bin_dir, model, smollm2)
     ours = node_figures(model, home, lambda: llama_cpp_prefill(bin_dir, model, peer.prefill_threads), smollm2)
     beyond = ours.rss_mb - bare
     theirs_prefill = statistics.median(theirs for theirs, _ in ours.prefill_rounds)
     ratios = ours.prefill_ratios()
     rows = [
-        ("decode, one sequence (tok/s)", peer.decode_1, ours.decode_1, ours.decode_1 / peer.decode_1, 0.5),
+        ("decode, one sequence (tok/s)", peer.decode_1, ours.decode_1, ours.decode_1 / peer.decode_1, decode_1),
         (f"decode, {LANES} sequences (sum, tok/s)", peer.decode_8, ours.decode_8, ours.decode_8 / peer.decode_8, 1.0),
         *([(f"decode, one sequence at {DEPTH} (tok/s)", peer.decode_deep, ours.decode_deep,
             ours.decode_deep / peer.decode_deep, 0.5)] if smollm2 else []),
@@ -338,7 +338,8 @@ def main() -> int:
 
             for family in ("qwen3", "gemma3"):
                 path = write_family_1b(CACHE, family, bin_dir)
-                missed += compare(f"1B-shaped {family} Q4_K_M", path, bin_dir, bare, home, against_file=1.3)
+                missed += compare(f"1B-shaped {family} Q4_K_M", path, bin_dir, bare, home, against_file=1.3,
+                                  decode_1=1.0)
     for m in missed:
         print(f"MISSED: {m}")
     return 1 if missed else 0
