@@ -48,7 +48,7 @@ def test_builtin_daemon_describes_itself_and_generates(builtin):
     assert builtin.model_name == "builtin"
     assert builtin.max_stream_tokens() == 2048
     described = re.fullmatch(
-        r"runtime torch \(builtin, cpu fp32\), context window 2048 tokens, 4 lanes, (\d+) CPU threads?, "
+        r"runtime torch \(builtin, llama, cpu fp32\), context window 2048 tokens, 4 lanes, (\d+) CPU threads?, "
         r"weights 69 MB float \(a float checkpoint\), kv pool (\d+) blocks of 16 tokens \(64 MB (fp16|fp32), "
         r"taken as used(, attended in place on the node's (AVX2|AVX-512 VNNI) kernels)?\), \d+ MB free",
         builtin.summary(),
@@ -131,7 +131,7 @@ def test_dtype_flag_picks_the_weights_precision():
     daemon = open_engine("torch", "builtin", device="cpu", max_batch=1, kv_budget_mb=8, dtype="bfloat16")
     try:
         assert daemon.model.dtype == torch.bfloat16
-        assert "(builtin, cpu bf16)" in daemon.summary() and "weights 34 MB" in daemon.summary()
+        assert "(builtin, llama, cpu bf16)" in daemon.summary() and "weights 34 MB" in daemon.summary()
         assert len(greedy(daemon, [1, 2, 3], 4)) == 4
     finally:
         daemon.close()
