@@ -29,6 +29,7 @@ from nodeagent.engine.families.base import (
 )
 from nodeagent.engine.loader import Progress, checked, refuse_unused
 from nodeagent.engine.model import LlamaModel, ModelConfig
+from nodeagent.engine.quant import held_format
 from nodeagent.engine.shard import Shard, sharded
 from nodeagent.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_header
 
@@ -93,16 +94,12 @@ def type_conversions(path: str | os.PathLike, fmt: WeightFormat) -> str:
     types = _layer_types(Path(path))
     parts = []
     for ggml_type in sorted(set(types), key=lambda t: -types.count(t)):
-        name = GGMLQuantizationType(ggml_type).name
-        bits = type_bits(ggml_type)
-        held = fmt
-        if fmt == WeightFormat.INT4 and (bits is None or bits > 4):
-            held = WeightFormat.INT8 if bits is not None else WeightFormat.INT4
-        if fmt == WeightFormat.FLOAT:
-            parts.append(f"{name} x{types.count(ggml_type)} dequantized")
-            continue
-        kept = "" if name in _KEPT.get(held, ()) else " re-rounded"
-        parts.append(f"{name} x{types.count(ggml_type)} as {held.value}{kept}")
+        name, count = GGMLQuantizationType(ggml_type).name, types.count(ggml_type)
+        held = held_format(fmt, type_bits(ggml_type))
+        if held == WeightFormat.FLOAT:
+            parts.append(f"{name} x{count} dequantized")
+        else:
+            parts.append(f"{name} x{count} as {held.value}{'' if name in _KEPT.get(held, ()) else ' re-rounded'}")
     return ", ".join(parts)
 
 

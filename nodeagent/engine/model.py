@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from nodeagent.engine.quant import (
     Int8Head,
     Int8Linear,
     gated_projection,
+    held_format,
     normed_projection,
     quantized_linear,
     residual_projection,
@@ -42,6 +43,8 @@ from nodeagent.engine.quant import (
     unbiased_product,
 )
 from nodeagent.engine.rope import Frequencies, interleave_pairs, inv_frequencies, rope_table, rotate_in_place
+
+T = TypeVar("T")
 
 #: Rows a cache-free pass (`run_causal`) runs through a layer at once on the layer stack: a
 #: prefill chunk's worth, whose rows' buffers stay in cache.
@@ -332,9 +335,12 @@ class LlamaModel:
     def _int4_projections(self) -> list[Int4Linear]:
         return [p for layer in self.layers for p in vars(layer).values() if isinstance(p, Int4Linear)]
 
-    def windows(self) -> set[int | None]:
-        """The distinct attention windows of the layers."""
-        return {self.config.window(i) for i in range(self.config.n_layers)}
+    def by_window(self, make: Callable[[int | None], T]) -> Callable[[int], T]:
+        """`make(window)` once for each distinct attention window of the layers, looked up by
+        layer: an attention call, or a mask, per window rather than per layer."""
+        windows = [self.config.window(i) for i in range(self.config.n_layers)]
+        made = {window: make(window) for window in set(windows)}
+        return lambda layer: made[windows[layer]]
 
     def attention_kernels(self, kv_dtype: torch.dtype) -> CpuKernels | None:
         """The node's CPU kernels where they attend for this model over a pool of `kv_dtype`
@@ -384,11 +390,11 @@ class LlamaModel:
             stack = self.layer_stack()
             if stack is not None:
                 return _stacked_causal(stack, x, freqs[0], lane, range(start, end))
-            steps = {w: kernels.attention_step(lane.slots, lane.blocks, lane.starts, lane.counts, w or 0)
-                     for w in self.windows()}
+            step = self.by_window(lambda w: kernels.attention_step(lane.slots, lane.blocks, lane.starts,
+                                                                   lane.counts, w or 0))
 
             def attend(index: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-                return steps[c.window(index)](lane.layer, q, kv)
+                return step(index)(lane.layer, q, kv)
 
         for index in range(start, end):
             x = self.layer(index, x, freqs, attend)
@@ -396,12 +402,12 @@ class LlamaModel:
 
     def _masked_attend(self, positions: torch.Tensor) -> Attend:
         """Attention of the rows at `positions` [1,N] to their own keys, by SDPA under a mask."""
-        masks = {w: self.attention_mask(positions, positions.shape[1], w) for w in self.windows()}
+        mask = self.by_window(lambda w: self.attention_mask(positions, positions.shape[1], w))
         softcap = self.config.spec.attn_softcap
 
         def attend(index: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             keys, values = kv.permute(2, 0, 3, 1, 4)
-            return grouped_attention(q, keys, values, masks[self.config.window(index)], softcap)
+            return grouped_attention(q, keys, values, mask(index), softcap)
 
         return attend
 
@@ -453,16 +459,10 @@ def _nbytes(part: torch.Tensor | Projection | Int8Embedding) -> int:
 
 
 def _projection_maker(weights: WeightFormat) -> MakeProjection:
-    """Float, or `weights`' format; a weight the file keeps in more than 4 bits (a Q4_K_M file's
-    Q6_K tensors) takes int8 under int4, the nearest format that keeps them."""
+    """Float, or each weight in the format `held_format` gives it under `weights`."""
     if weights == WeightFormat.FLOAT:
         return lambda weight, bias, _: Linear(weight, bias)
-
-    def make(weight: torch.Tensor, bias: torch.Tensor | None, bits: int | None) -> Projection:
-        wider = weights == WeightFormat.INT4 and bits is not None and bits > 4
-        return quantized_linear(WeightFormat.INT8 if wider else weights, weight, bias)
-
-    return make
+    return lambda weight, bias, bits: quantized_linear(held_format(weights, bits), weight, bias)
 
 
 def _layer_weights(

@@ -494,6 +494,13 @@ def _representable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scale.to(dtype).clamp(min=info.smallest_normal * info.eps)
 
 
+def held_format(fmt: WeightFormat, bits: int | None) -> WeightFormat:
+    """The format a weight the checkpoint keeps in `bits` (None: float) is held in under `fmt`:
+    under int4, one kept in more than 4 bits (a Q4_K_M file's Q6_K matrices) takes int8, the
+    nearest format that keeps it."""
+    return WeightFormat.INT8 if fmt == WeightFormat.INT4 and bits is not None and bits > 4 else fmt
+
+
 def quantized_linear(fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """A projection in `fmt`; a shape the int4 kernel cannot tile takes int8, and one the int8
     kernel cannot take stays float."""

@@ -145,22 +145,22 @@ def paged_attend(
     """Attention for `batch`'s step, storing each layer's new K/V at `write` first: on the CPU
     `kernels`, which read the pool in place, where given; else the lanes' blocks copied out for
     SDPA under a mask built from `positions`."""
-    window = model.config.window
     if kernels is not None:
-        steps = {w: kernels.attention_step(write, batch.blocks, batch.starts, batch.counts, w or 0)
-                 for w in model.windows()}
+        step = model.by_window(
+            lambda w: kernels.attention_step(write, batch.blocks, batch.starts, batch.counts, w or 0)
+        )
 
         def attend_in_place(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return steps[window(layer)](pool.kv[layer], q, kv)
+            return step(layer)(pool.kv[layer], q, kv)
 
         return attend_in_place
-    masks = {w: model.attention_mask(positions, batch.blocks.shape[1] * BLOCK_TOKENS, w) for w in model.windows()}
+    mask = model.by_window(lambda w: model.attention_mask(positions, batch.blocks.shape[1] * BLOCK_TOKENS, w))
     softcap = model.config.spec.attn_softcap
 
     def attend_copied(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         pool.write(layer, write, kv.reshape(-1, *kv.shape[2:]))
         keys, values = (part.to(q.dtype) for part in pool.read(layer, batch.blocks))
-        return grouped_attention(q, keys, values, masks[window(layer)], softcap)
+        return grouped_attention(q, keys, values, mask(layer), softcap)
 
     return attend_copied
 

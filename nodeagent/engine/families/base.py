@@ -1,7 +1,7 @@
 """What every family shares: reading a Hugging Face `config.json` or GGUF metadata into a
 `ModelConfig`, and the tensors under the engine's names. `Family` is Llama's; a family module
 subclasses it where its config, its maths (`spec_from_hf`, `spec_from_gguf`) or its tensor
-names differ, and `families.REGISTRY` finds it by `model_type` and by GGUF architecture.
+names differ, and `registry` finds it by `model_type` and by GGUF architecture.
 
 The engine's names are Llama's Hugging Face names plus the norms Llama lacks:
 `attn_out_norm` and `mlp_out_norm` after the attention and MLP outputs, `self_attn.q_norm` and
@@ -75,6 +75,8 @@ class Family:
     hf_names: dict[str, str] = {}
     #: What the family's layer always differs by (DecoderSpec fields), whatever its config says.
     spec_options: dict[str, Any] = {}
+    #: Whether a config without `tie_word_embeddings` ties them (Gemma's do).
+    tied_by_default = False
 
     # ---- Hugging Face ----------------------------------------------------------------------
 
@@ -104,9 +106,6 @@ class Family:
         config = dataclasses.replace(config, spec=self.spec_from_hf(raw, config))
         check_config(config)
         return config
-
-    #: Whether a config without `tie_word_embeddings` ties them (Gemma's do).
-    tied_by_default = False
 
     def spec_from_hf(self, raw: dict, config: ModelConfig) -> DecoderSpec:
         return dataclasses.replace(LLAMA, family=self.name, layer_windows=hf_layer_windows(raw, config.n_layers),

@@ -5,7 +5,6 @@ adds q/k norms per head and gives its sliding layers a rope base of their own.""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -29,6 +28,10 @@ class Gemma2(Family):
     spec_options = {"norms": Norms.SANDWICH, "activation": Activation.GELU_TANH}
     #: Sliding layers to global ones, as `layer_types` falls back to: 1 of 2 in Gemma 2.
     window_pattern = 2
+    #: llama.cpp's gemma2 graph caps attention scores and logits always, at these where the file
+    #: names no cap; its gemma3 graph never caps scores, and logits only where the file says.
+    gguf_attn_softcap: float | None = 50.0
+    gguf_final_softcap = 30.0
     hf_names = {
         "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",
         "attn_out_norm.weight": "post_attention_layernorm.weight",
@@ -53,13 +56,14 @@ class Gemma2(Family):
         types = self._gguf_layer_types(get, config.n_layers)
         width = config.hidden_size // config.n_heads
         big = config.n_layers == GGUF_27B_LAYERS[self.name]
+        attn_softcap = self.gguf_attn_softcap
         return self._spec(
             config,
             windows=tuple(window if t == "sliding_attention" else None for t in types),
             query_scale=math.sqrt(config.head_dim / width) if big else 1.0,
-            attn_softcap=get("attn_logit_softcapping", float, 50.0),
-            final_softcap=get("final_logit_softcapping", float, 30.0),
-            ropes=(),
+            attn_softcap=None if attn_softcap is None else get("attn_logit_softcapping", float, attn_softcap),
+            final_softcap=get("final_logit_softcapping", float, self.gguf_final_softcap) or None,
+            ropes=self._gguf_ropes(get, config, types),
         )
 
     def _spec(self, config: ModelConfig, *, windows: tuple, query_scale: float, attn_softcap: float | None,
@@ -75,13 +79,18 @@ class Gemma2(Family):
             **self.spec_options,
         )
 
-    def _pattern(self, n_layers: int) -> list[str]:
-        return ["sliding_attention" if (i + 1) % self.window_pattern else "full_attention" for i in range(n_layers)]
+    def _pattern(self, n_layers: int, period: int | None = None) -> list[str]:
+        """Every `period`-th layer global (default `window_pattern`), the others sliding."""
+        every = period or self.window_pattern
+        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
 
     def _gguf_layer_types(self, get: MetadataGetter, n_layers: int) -> list[str]:
         return self._pattern(n_layers)
 
     def _hf_ropes(self, raw: dict, types: list[str]) -> tuple:
+        return ()
+
+    def _gguf_ropes(self, get: MetadataGetter, config: ModelConfig, types: list[str]) -> tuple:
         return ()
 
     def hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -96,15 +105,8 @@ class Gemma3(Gemma2):
     architectures = ("gemma3",)
     spec_options = {**Gemma2.spec_options, "qk_norm": QKNorm.HEAD}
     window_pattern = 6
-
-    def spec_from_gguf(self, get: MetadataGetter, config: ModelConfig, tensors: dict) -> DecoderSpec:
-        spec = super().spec_from_gguf(get, config, tensors)
-        types = self._gguf_layer_types(get, config.n_layers)
-        local = Rope(get("rope.freq_base_swa", float, 10000.0))
-        ropes = tuple(local if t == "sliding_attention" else config.rope for t in types)
-        return dataclasses.replace(spec, attn_softcap=None,
-                                   final_softcap=get("final_logit_softcapping", float, 0.0) or None,
-                                   layer_ropes=ropes)
+    gguf_attn_softcap = None
+    gguf_final_softcap = 0.0
 
     def _hf_ropes(self, raw: dict, types: list[str]) -> tuple:
         local_theta = float(raw.get("rope_local_base_freq", 10000.0))
@@ -114,8 +116,12 @@ class Gemma3(Gemma2):
             local = Rope(local_theta)
         return tuple(local if t == "sliding_attention" else full for t in types)
 
+    def _gguf_ropes(self, get: MetadataGetter, config: ModelConfig, types: list[str]) -> tuple:
+        local = Rope(get("rope.freq_base_swa", float, 10000.0))
+        return tuple(local if t == "sliding_attention" else config.rope for t in types)
+
     def _gguf_layer_types(self, get: MetadataGetter, n_layers: int) -> list[str]:
         pattern = get("attention.sliding_window_pattern", object, self.window_pattern)
         if isinstance(pattern, list):
             return ["sliding_attention" if swa else "full_attention" for swa in pattern]
-        return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)]
+        return self._pattern(n_layers, int(pattern))
